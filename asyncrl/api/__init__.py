@@ -1,0 +1,41 @@
+"""Protocols and data types shared by every layer.
+
+Importing this package must stay cheap: stdlib and typing only (no torch, fastapi, transformers);
+a test enforces it.
+"""
+
+from asyncrl.api.generation import GenerationConfig, ModelRequest, ModelResponse, StopReason
+from asyncrl.api.protocols import (
+    Agent,
+    AgentAction,
+    AgentProgram,
+    Environment,
+    InferenceEngine,
+    RolloutWorkflow,
+    TrainEngine,
+)
+from asyncrl.api.trajectory import PROMPT_VERSION, RolloutStatus, Sample, Trajectory
+from asyncrl.api.validation import check_choice, check_range
+from asyncrl.api.weights import WeightUpdateKind, WeightUpdateMeta
+
+__all__ = [
+    "Agent",
+    "AgentAction",
+    "AgentProgram",
+    "Environment",
+    "GenerationConfig",
+    "InferenceEngine",
+    "ModelRequest",
+    "ModelResponse",
+    "PROMPT_VERSION",
+    "RolloutStatus",
+    "RolloutWorkflow",
+    "Sample",
+    "StopReason",
+    "TrainEngine",
+    "Trajectory",
+    "WeightUpdateKind",
+    "WeightUpdateMeta",
+    "check_choice",
+    "check_range",
+]

@@ -1,0 +1,113 @@
+"""The narrow interfaces the layers talk through.
+
+Each Protocol names only what its callers use, so a remote vLLM client, the built-in engine and a
+test double are interchangeable without sharing a base class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat, runtime_checkable
+
+from asyncrl.api.generation import ModelRequest, ModelResponse
+from asyncrl.api.trajectory import Trajectory
+from asyncrl.api.weights import WeightUpdateMeta
+
+if TYPE_CHECKING:  # keep `import asyncrl.api` free of torch and gymnasium
+    import gymnasium
+    import torch
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Generates tokens; built-in engine, remote HTTP client or a test double."""
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
+
+    def get_version(self) -> int: ...
+
+    def pause(self) -> None:
+        """Stop scheduling new work; in-flight requests are aborted and return partial output."""
+
+    def resume(self) -> None: ...
+
+    async def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Load new weights and set the engine's version to `meta.version` atomically."""
+
+
+LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """Owns a trainable model (policy, reference or critic) and its optimizer."""
+
+    def train_batch(self, batch: Mapping[str, Any], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over `batch` (split into micro-batches internally)."""
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Per-token logprobs (or values, for a critic) of `batch`, without gradients."""
+
+    def get_version(self) -> int: ...
+
+    def set_version(self, version: int) -> None: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+
+@runtime_checkable
+class RolloutWorkflow(Protocol):
+    """User rollout logic at the lowest level: one episode in, training data out."""
+
+    async def arun_episode(
+        self, engine: InferenceEngine, data: dict[str, Any]
+    ) -> Trajectory | None:
+        """Return None to reject the episode (it is counted, not trained on)."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A Gym-like environment with async reset/step, so thousands can share one event loop."""
+
+    observation_space: gymnasium.spaces.Space
+    action_space: gymnasium.spaces.Space
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]: ...
+
+    async def step(
+        self, action: Any
+    ) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Return (observation, reward, terminated, truncated, info) like gymnasium.Env.step."""
+
+
+@dataclass
+class AgentAction:
+    """What an Agent decided, plus the generation that produced it (the training data)."""
+
+    action: Any
+    response: ModelResponse | None = None
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """Turns observations into actions by querying an inference engine."""
+
+    async def reset(self) -> None: ...
+
+    async def act(self, engine: InferenceEngine, observation: Any) -> AgentAction: ...
+
+
+@runtime_checkable
+class AgentProgram(Protocol):
+    """Any agent that talks to an OpenAI-compatible endpoint and returns its reward.
+
+    `extra_kwargs` carries `base_url`, `api_key` (per session) and a shared `http_client`. A float
+    rewards the last completion; a dict maps completion ids to rewards.
+    """
+
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float | dict[str, float]: ...

@@ -1,0 +1,157 @@
+"""Typed, component-owned configuration: YAML in, dotted CLI overrides, validation, YAML out.
+
+Each component defines its own `Config` subclass next to its code; a run config nests them. Built
+on pydantic so types and ranges are checked by a well-kept library; this module adds what users of
+a training CLI expect: `a.b.c=value` overrides, unknown keys rejected with a did-you-mean hint,
+one-line errors naming the field, the bad value and the allowed range, and a YAML dump that loads
+back to an identical config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pydantic
+import yaml
+
+C = TypeVar("C", bound="Config")
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message is one line per problem, no traceback."""
+
+
+class Config(pydantic.BaseModel):
+    """Base of every component config: unknown keys are errors, assignments are re-validated."""
+
+    model_config = pydantic.ConfigDict(
+        extra="forbid", validate_assignment=True, validate_default=True
+    )
+
+    @classmethod
+    def from_dict(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
+        try:
+            return cls.model_validate(data)
+        except pydantic.ValidationError as err:
+            raise ConfigError(format_validation_error(cls, err, data, source)) from None
+
+    @classmethod
+    def load(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
+        """Load YAML (or defaults when `path` is None) then apply `key.sub=value` overrides."""
+        data = load_yaml(path) if path is not None else {}
+        for item in overrides:
+            key, value = parse_override(item)
+            set_dotted(data, key, value)
+        return cls.from_dict(data, source=str(path) if path else "defaults")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_yaml())
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{p}:{where}: malformed YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`actor.optimizer.lr=3e-4` -> ("actor.optimizer.lr", 3e-4); values are parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    key = key.strip().lstrip("-")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[: i + 1])
+            raise ConfigError(f"override {key}: {prefix} is a value ({child!r}), not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _field_types(model: Any) -> dict[str, Any]:
+    if isinstance(model, type) and issubclass(model, pydantic.BaseModel):
+        return {k: f.annotation for k, f in model.model_fields.items()}
+    if dataclasses.is_dataclass(model):
+        return {f.name: f.type for f in dataclasses.fields(model)}
+    return {}
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """Field names of the (nested) config at `loc`, to suggest a close match for a typo."""
+    for part in loc:
+        fields = _field_types(model)
+        if part not in fields:
+            return []
+        ann = fields[part]
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        model = next((c for c in candidates if _field_types(c)), None)
+    return list(_field_types(model))
+
+
+def _value_at(data: Any, loc: tuple) -> Any:
+    for part in loc:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return "<missing>"
+    return data
+
+
+def format_validation_error(
+    cls: type[pydantic.BaseModel], err: pydantic.ValidationError, data: dict, source: str
+) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        dotted = ".".join(str(p) for p in loc)
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            allowed = _fields_at(cls, loc[:-1])
+            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            msg = f"{source}: unknown key '{dotted}'"
+            msg += f"; did you mean '{hint[0]}'?" if hint else ""
+            msg += f" (allowed: {', '.join(allowed)})" if allowed else ""
+        elif e["type"] == "missing":
+            msg = f"{source}: missing required key '{dotted}'"
+        elif e["type"] == "value_error":  # our own checks already name the field and value
+            msg = f"{source}: {dotted}: {e['msg'].removeprefix('Value error, ')}"
+        else:
+            value = _value_at(data, loc)
+            text = e["msg"].removeprefix("Value error, ")
+            msg = f"{source}: {dotted}={value!r}: {text}"
+        lines.append(msg)
+    return "\n".join(lines)
