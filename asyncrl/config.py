@@ -17,10 +17,12 @@ from typing import Any, TypeVar
 import pydantic
 import yaml
 
+from asyncrl.errors import UserError
+
 C = TypeVar("C", bound="Config")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration the user must fix; the message is one line per problem, no traceback."""
 
 
@@ -28,7 +30,11 @@ class Config(pydantic.BaseModel):
     """Base of every component config: unknown keys are errors, assignments are re-validated."""
 
     model_config = pydantic.ConfigDict(
-        extra="forbid", validate_assignment=True, validate_default=True
+        extra="forbid",
+        validate_assignment=True,
+        validate_default=True,
+        # `name=123` on the command line parses as YAML int; a str field should still accept it.
+        coerce_numbers_to_str=True,
     )
 
     @classmethod
