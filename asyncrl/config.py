@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -117,16 +118,36 @@ def _field_types(model: Any) -> dict[str, Any]:
     return {}
 
 
-def _fields_at(model: Any, loc: tuple) -> list[str]:
-    """Field names of the (nested) config at `loc`, to suggest a close match for a typo."""
+def _config_classes(ann: Any) -> list[Any]:
+    """Config classes an annotation can hold: X, X | None, Annotated[Union[A, B], ...]."""
+    if _field_types(ann):
+        return [ann]
+    return [c for arg in typing.get_args(ann) for c in _config_classes(arg)]
+
+
+def _walk(cls: Any, loc: tuple) -> tuple[tuple, list[str]]:
+    """(loc without union tags, field names at the end of loc) for messages and hints.
+
+    pydantic puts a tagged union's tag into the error location (data.gsm8k.path); users wrote
+    data.path, so the tag is dropped from what we print.
+    """
+    shown: list[Any] = []
+    classes = [cls]
     for part in loc:
-        fields = _field_types(model)
-        if part not in fields:
-            return []
-        ann = fields[part]
-        candidates = [ann, *getattr(ann, "__args__", ())]
-        model = next((c for c in candidates if _field_types(c)), None)
-    return list(_field_types(model))
+        owner = next((c for c in classes if part in _field_types(c)), None)
+        if owner is not None:
+            shown.append(part)
+            classes = _config_classes(_field_types(owner)[part])
+            continue
+        tagged = [c for c in classes if getattr(_field_types(c).get("kind"), "__args__", ()) and
+                  part in typing.get_args(_field_types(c)["kind"])]
+        if not tagged:
+            shown.append(part)
+            classes = []
+            continue
+        classes = tagged
+    fields = list(_field_types(classes[0])) if len(classes) == 1 else []
+    return tuple(shown), fields
 
 
 def _value_at(data: Any, loc: tuple) -> Any:
@@ -143,10 +164,11 @@ def format_validation_error(
 ) -> str:
     lines = []
     for e in err.errors():
-        loc = tuple(e["loc"])
+        raw_loc = tuple(e["loc"])
+        loc, _ = _walk(cls, raw_loc)
         dotted = ".".join(str(p) for p in loc)
         if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-            allowed = _fields_at(cls, loc[:-1])
+            _, allowed = _walk(cls, raw_loc[:-1])
             hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             msg = f"{source}: unknown key '{dotted}'"
             msg += f"; did you mean '{hint[0]}'?" if hint else ""
@@ -154,7 +176,8 @@ def format_validation_error(
         elif e["type"] == "missing":
             msg = f"{source}: missing required key '{dotted}'"
         elif e["type"] == "value_error":  # our own checks already name the field and value
-            msg = f"{source}: {dotted}: {e['msg'].removeprefix('Value error, ')}"
+            where = f"{dotted}: " if dotted else ""
+            msg = f"{source}: {where}{e['msg'].removeprefix('Value error, ')}"
         else:
             value = _value_at(data, loc)
             text = e["msg"].removeprefix("Value error, ")

@@ -103,3 +103,24 @@ def test_validate_assignment():
     cfg = RunCfg()
     with pytest.raises(pydantic.ValidationError):
         cfg.actor.optimizer.lr = -5
+
+
+class CatCfg(Config):
+    kind: Literal["cat"] = "cat"
+    lives: int = 9
+
+
+class DogCfg(Config):
+    kind: Literal["dog"] = "dog"
+    bark: str = "woof"
+
+
+class ZooCfg(Config):
+    animal: CatCfg | DogCfg = pydantic.Field(default_factory=CatCfg, discriminator="kind")
+
+
+def test_tagged_union_errors_use_the_users_path_and_hint():
+    assert ZooCfg.load(None, ["animal.kind=dog", "animal.bark=arf"]).animal.bark == "arf"
+    with pytest.raises(ConfigError) as err:
+        ZooCfg.load(None, ["animal.kind=dog", "animal.brak=arf"])
+    assert "unknown key 'animal.brak'; did you mean 'bark'?" in str(err.value)

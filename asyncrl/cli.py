@@ -1,0 +1,63 @@
+"""The `asyncrl` command: parses arguments, loads configs, and hands off to launch/ jobs.
+
+User mistakes (UserError: bad config, missing model dir, malformed data) print as short lines
+without a traceback and exit with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from asyncrl.errors import UserError
+
+
+def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
+    """`CONFIG k=v k=v` or just `k=v ...`: the first non-override argument is the YAML path."""
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def cmd_sft(ns: argparse.Namespace) -> int:
+    from asyncrl.launch.sft import SFTRunConfig, run_sft_job
+
+    path, overrides = _split_config_and_overrides(ns.args)
+    bad = [a for a in overrides if "=" not in a]
+    if bad:
+        raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
+    cfg = SFTRunConfig.load(path, overrides)
+    result = run_sft_job(cfg, force=ns.force)
+    print(f"model_dir={result.model_dir} eval_accuracy={result.eval_accuracy:.4f} "
+          f"train_seconds={result.train_seconds:.1f} cached={result.cached}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sft = sub.add_parser("sft", help="SFT warm start of the tiny model on the synthetic task")
+    sft.add_argument("args", nargs="*", metavar="CONFIG|key=value",
+                     help="optional YAML config, then dotted overrides like sft.steps=100")
+    sft.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
+    sft.set_defaults(func=cmd_sft)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = ns.func
+    try:
+        return func(ns)
+    except UserError as err:
+        for line in str(err).splitlines():
+            print(f"asyncrl {ns.command}: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"asyncrl {ns.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Datasets and synthetic tasks: every loader returns plain-dict rows with the same keys.
+
+Row: {"id", "question", "answer" (exact final answer), "messages" (chat prompt), ...extras}.
+Sources: the synthetic arithmetic task, GSM8K-format JSONL, and generic local JSONL/parquet; pick
+one with a `DatasetConfig` (discriminated on `kind`) and call `.build()`.
+"""
+
+from asyncrl.data.arithmetic import ArithmeticTask, ArithmeticTaskConfig
+from asyncrl.data.dataset import (DatasetConfig, TaskDataset, load_dataset_from_config,
+                                  parse_dataset_config)
+from asyncrl.data.files import FileDataset, FileDatasetConfig
+from asyncrl.data.gsm8k import GSM8KConfig, GSM8KDataset
+from asyncrl.data.split import DatasetError, Row, deterministic_split
+
+__all__ = [
+    "ArithmeticTask", "ArithmeticTaskConfig", "DatasetConfig", "DatasetError", "FileDataset",
+    "FileDatasetConfig", "GSM8KConfig", "GSM8KDataset", "Row", "TaskDataset",
+    "deterministic_split", "load_dataset_from_config", "parse_dataset_config",
+]

@@ -1,0 +1,145 @@
+"""The SFT warm-start job: tiny model + synthetic task -> a cached checkpoint with known accuracy.
+
+The result is cached under a key derived from the resolved config, so the RL job (and repeated
+`asyncrl sft` calls) reuse it instead of training again. Writes go to a temporary directory that is
+renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pydantic
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from asyncrl.config import Config
+from asyncrl.data.arithmetic import ArithmeticTaskConfig
+from asyncrl.data.dataset import DatasetConfig
+from asyncrl.models.chat import encode_chat_prompt
+from asyncrl.models.loading import ModelConfig, cache_root, ensure_tiny_model, load_causal_lm, load_tokenizer
+from asyncrl.models.tiny import TinyModelConfig, save_model_dir
+from asyncrl.reward.exact import exact_answer_reward
+from asyncrl.train.hf_generate import hf_greedy_generate
+from asyncrl.train.optim import OptimizerConfig
+from asyncrl.train.sft import SFTConfig, build_examples, train_sft
+
+RESULT_FILE = "sft_result.json"
+
+
+class SFTRunConfig(Config):
+    model: ModelConfig = ModelConfig()
+    tiny: TinyModelConfig = TinyModelConfig()  # used when model.path is None
+    data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)
+    optimizer: OptimizerConfig = OptimizerConfig(lr=2e-3, warmup_steps=20, schedule="cosine",
+                                                 min_lr_ratio=0.1)
+    sft: SFTConfig = SFTConfig()
+    output_dir: str | None = None  # None: a cache directory keyed by this config
+
+
+@dataclass
+class SFTResult:
+    model_dir: str
+    eval_accuracy: float
+    eval_size: int
+    train_seconds: float
+    steps: int
+    final_loss: float
+    cached: bool = False
+
+
+def cache_key(cfg: SFTRunConfig) -> str:
+    payload = cfg.model_copy(update={"output_dir": None}).to_yaml()
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def output_dir_for(cfg: SFTRunConfig) -> Path:
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    return cache_root() / "sft" / f"tiny-sft-{cache_key(cfg)}"
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    prompts = [encode_chat_prompt(tokenizer, r["messages"]) for r in rows]
+    outs = hf_greedy_generate(model, prompts, max_new_tokens, tokenizer.pad_token_id,
+                              tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
+    return sum(exact_answer_reward(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+
+
+def load_cached(out: Path) -> SFTResult | None:
+    result = out / RESULT_FILE
+    if not result.is_file():
+        return None
+    data = json.loads(result.read_text())
+    data["cached"] = True
+    data["model_dir"] = str(out)
+    return SFTResult(**data)
+
+
+def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool = False) -> SFTResult:
+    console = console or Console(stderr=True)
+    out = output_dir_for(cfg)
+    if not force and (cached := load_cached(out)) is not None:
+        console.print(f"[green]cached[/] SFT model at {out} (eval accuracy {cached.eval_accuracy:.1%})")
+        return cached
+    torch.manual_seed(cfg.sft.seed)
+    base = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.tiny)
+    tokenizer = load_tokenizer(base)
+    model = load_causal_lm(base, dtype=cfg.model.dtype)
+    dataset = cfg.data.build()
+    examples = build_examples(tokenizer, dataset.train_rows())
+    eval_rows = dataset.eval_rows()[: cfg.sft.eval_size]
+    console.print(f"SFT: {len(examples)} train rows, {len(eval_rows)} eval rows, "
+                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, base {base}")
+
+    def evaluate() -> float:
+        model.eval()
+        return greedy_accuracy(model, tokenizer, eval_rows, cfg.sft.eval_max_new_tokens)
+
+    columns = [TextColumn("[bold]sft"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("sft", total=cfg.sft.steps, info="")
+
+        def on_step(step: int, stats: dict[str, float]) -> None:
+            info = f"loss {stats['sft/loss']:.3f} lr {stats['sft/lr']:.1e}"
+            if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
+                acc = evaluate()
+                progress.console.print(f"step {step}: eval greedy accuracy {acc:.1%}")
+            if step % cfg.sft.log_every == 0 and not progress.console.is_terminal:
+                progress.console.print(f"step {step}/{cfg.sft.steps}: {info}")
+            progress.update(task, advance=1, info=info)
+
+        t0 = time.perf_counter()
+        history = train_sft(model, examples, cfg.sft, cfg.optimizer, tokenizer.pad_token_id, on_step)
+        train_seconds = time.perf_counter() - t0
+    accuracy = evaluate()
+    result = SFTResult(str(out), accuracy, len(eval_rows), train_seconds, cfg.sft.steps,
+                       history[-1]["sft/loss"])
+    save_atomically(model, tokenizer, cfg, result, out)
+    console.print(f"SFT done in {train_seconds:.1f}s: eval greedy accuracy {accuracy:.1%} "
+                  f"on {len(eval_rows)} held-out problems -> {out}")
+    return result
+
+
+def save_atomically(model, tokenizer, cfg: SFTRunConfig, result: SFTResult, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    save_model_dir(model, tokenizer, tmp)
+    cfg.save(tmp / "sft_config.yaml")
+    data = asdict(result)
+    data.pop("cached")
+    data.pop("model_dir")
+    (tmp / RESULT_FILE).write_text(json.dumps(data, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)

@@ -1,0 +1,31 @@
+"""Chat-format encoding shared by SFT, rollout workflows and the proxy.
+
+Rendering to text and then encoding without extra special tokens keeps the ids exactly what the
+chat template says (some transformers versions add a BOS when tokenizing inside the template call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = tools
+    return tokenizer.apply_chat_template(messages, **kwargs)
+
+
+def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of `messages` followed by the assistant generation prompt."""
+    return tokenizer.encode(render_chat(tokenizer, messages, True, tools), add_special_tokens=False)
+
+
+def encode_completion(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of an assistant reply as the model should produce it, ending with EOS."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token; set eos_token in tokenizer_config.json")
+    return ids + [tokenizer.eos_token_id]

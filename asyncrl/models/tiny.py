@@ -1,0 +1,149 @@
+"""Build the embedded default model: a small random-init Qwen2/Llama with the char tokenizer.
+
+These machines have no hub access, so tests, examples and the SFT warm start need a model that can
+be made from nothing. The result is an ordinary HF directory (config.json, model.safetensors,
+generation_config.json, tokenizer.json, tokenizer_config.json with the chat template) that
+`AutoModelForCausalLM.from_pretrained`, vLLM and our own engine load like any real checkpoint, so
+every code path exercised on the tiny model is the one used on Qwen/Llama on GPUs.
+
+With the defaults (qwen2, hidden 256, 8 layers, 4 heads / 2 KV heads, MLP 768, vocab 101 padded to
+128, tied embeddings) the model has 6,332,672 parameters (~6.3M, ~25 MB in float32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from asyncrl.config import Config
+from asyncrl.models.tokenizer import (
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    PAD_ID,
+    build_char_tokenizer,
+    save_tokenizer,
+)
+
+# Mapping, not an if/elif tower: adding an architecture is one line.
+ARCH_CONFIGS: dict[str, tuple[type[PretrainedConfig], str]] = {
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+    "llama": (LlamaConfig, "LlamaForCausalLM"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TinyModelConfig(Config):
+    """Shape of the embedded tiny model; its hash names the cache directory it is built into."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = pydantic.Field(256, ge=8)
+    num_layers: int = pydantic.Field(8, ge=1)
+    num_heads: int = pydantic.Field(4, ge=1)
+    num_kv_heads: int = pydantic.Field(2, ge=1)
+    intermediate_size: int = pydantic.Field(768, ge=1)
+    max_position_embeddings: int = pydantic.Field(1024, ge=16)
+    rope_theta: float = pydantic.Field(10000.0, gt=0)
+    tie_word_embeddings: bool = True
+    vocab_multiple: int = pydantic.Field(64, ge=1)  # pad the embedding rows for aligned matmuls
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @pydantic.model_validator(mode="after")
+    def _check_head_shapes(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads} "
+                "(grouped-query attention shares each KV head across a whole group of query heads)"
+            )
+        return self
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def tiny_hf_config(cfg: TinyModelConfig, vocab_size: int) -> PretrainedConfig:
+    """The transformers config of the tiny model; ids match `build_char_tokenizer`."""
+    config_cls, architecture = ARCH_CONFIGS[cfg.arch]
+    return config_cls(
+        vocab_size=padded_vocab_size(vocab_size, cfg.vocab_multiple),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        architectures=[architecture],
+        dtype=cfg.dtype,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=PAD_ID,
+    )
+
+
+def build_tiny_model_in_memory(
+    cfg: TinyModelConfig,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Random-init model + tokenizer; the same `cfg` (seed included) gives identical weights."""
+    tokenizer = build_char_tokenizer()
+    hf_config = tiny_hf_config(cfg, len(tokenizer))
+    # A private generator state would be cleaner, but HF init draws from the global RNG; restore
+    # it afterwards so building a model does not perturb the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[cfg.dtype])
+    model.generation_config = GenerationConfig(
+        bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=PAD_ID
+    )
+    model.eval()
+    return model, tokenizer
+
+
+def save_model_dir(model: PreTrainedModel, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Save model + tokenizer as a HF directory that transformers 4.x/5.x and vLLM all load.
+
+    transformers 5 writes "dtype" and a nested "rope_parameters"; readers on 4.x (as pinned by many
+    vLLM releases) look for "torch_dtype" and a top-level "rope_theta", so both spellings go in.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    config_file = out / "config.json"
+    config = json.loads(config_file.read_text())
+    config.setdefault("torch_dtype", config.get("dtype"))
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_tokenizer(tokenizer, out)
+    return out
+
+
+def build_tiny_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
+    """Build the tiny model + char tokenizer and save them as a HF directory at `out_dir`."""
+    model, tokenizer = build_tiny_model_in_memory(cfg)
+    return save_model_dir(model, tokenizer, out_dir)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied input/output embeddings count once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,111 @@
+"""The character-level tokenizer of the embedded tiny model, with a ChatML chat template.
+
+One token per character keeps the tiny model's vocabulary small (~100 ids) and makes every
+token boundary obvious when debugging rollouts, while still being an ordinary HF fast tokenizer
+(tokenizer.json + tokenizer_config.json) that transformers, vLLM and our own engine load the same
+way as a real Qwen/Llama tokenizer. The chat markup follows Qwen's ChatML so that code written
+against the tiny model (prompt rendering, stop tokens, the proxy) also works on real checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|pad|>"
+ENDOFTEXT_TOKEN = "<|endoftext|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+UNK_TOKEN = "<|unk|>"
+
+# Order fixes the ids (0..4); model configs and tests rely on them, so append, never reorder.
+SPECIAL_TOKENS = (PAD_TOKEN, ENDOFTEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, UNK_TOKEN)
+PAD_ID, ENDOFTEXT_ID, IM_START_ID, IM_END_ID, UNK_ID = range(len(SPECIAL_TOKENS))
+
+# "\n" plus printable ASCII: enough for chat text, arithmetic, code and JSON tool calls.
+CHARACTERS = ("\n", *(chr(c) for c in range(32, 127)))
+ROLES = ("system", "user", "assistant", "tool")
+
+# Qwen-style ChatML. Whitespace control (`{{-`, `{%-`) keeps every byte of the output explicit in
+# the string literals, so the rendered prompt is exactly what the tests spell out. Content may be
+# a string, None (an assistant turn that only calls tools) or a list of OpenAI-style text parts.
+CHAT_TEMPLATE = (
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content -%}{%- for part in content -%}"
+    "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set has_system = messages | length > 0 and messages[0].role == 'system' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if has_system -%}{{- render_content(messages[0].content) + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('chat role must be one of system, user, assistant, tool; got '"
+    " + message.role) -}}"
+    "{%- endif -%}"
+    # With tools the system prompt was already merged into the tools block above.
+    "{%- if not (tools and loop.first and has_system) -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content)"
+    " + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _char_backend() -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # No normaliser: decode(encode(text)) must give back text byte for byte. `[\s\S]` isolates
+    # every code point, "\n" included (Oniguruma's `.` skips newlines and it has no `(?s)`);
+    # a code point outside the vocab becomes <|unk|>.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Fuse joins tokens with no separator (WordLevel's default decode would insert spaces).
+    tok.decoder = decoders.Fuse()
+    # Added tokens are matched before pre-tokenisation, so "<|im_end|>" in text is one id,
+    # not eleven characters; they keep their vocab ids 0..4.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A fresh character-level tokenizer: ids 0..4 special, then "\\n" and ASCII 32..126.
+
+    pad=<|pad|>, eos=<|im_end|> (the end of an assistant turn, where generation stops), unk=<|unk|>;
+    no BOS token is prepended (like Qwen), so `encode(text)` is just the characters.
+    """
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_char_backend(),
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END_TOKEN,
+        unk_token=UNK_TOKEN,
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+        # Cleanup would turn "a ." into "a." on decode and break the exact round trip.
+        clean_up_tokenization_spaces=False,
+    )
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> None:
+    """`tokenizer.save_pretrained` made readable by transformers 4.x as well as 5.x.
+
+    vLLM pins its own transformers, often 4.x. transformers 5 records the class as
+    "TokenizersBackend" (unknown to 4.x) and moves the chat template to chat_template.jinja
+    (ignored before ~4.50); "PreTrainedTokenizerFast" plus an inline template load everywhere.
+    """
+    tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
+    config_file = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")

@@ -1,0 +1,73 @@
+"""The `asyncrl` command as a user runs it: real subprocesses, one-line errors, no tracebacks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY_MODEL = [
+    "tiny.hidden_size=64", "tiny.num_layers=2", "tiny.num_heads=2", "tiny.num_kv_heads=1",
+    "tiny.intermediate_size=128",
+    "sft.steps=3", "sft.batch_size=8", "sft.eval_size=8", "sft.eval_max_new_tokens=4",
+]
+TINY = TINY_MODEL + ["data.num_train=200", "data.num_eval=20"]
+
+
+def run_cli(args, tmp_path, check_rc=None):
+    env = dict(os.environ, ASYNCRL_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+    if check_rc is not None:
+        assert proc.returncode == check_rc, proc.stderr[-3000:]
+    return proc
+
+
+def assert_one_clean_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    err_lines = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(err_lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in err_lines[0], err_lines[0]
+
+
+def test_sft_runs_end_to_end_and_caches(tmp_path):
+    out = tmp_path / "sft_out"
+    first = run_cli(["sft", *TINY, f"output_dir={out}"], tmp_path, check_rc=0)
+    assert "cached=False" in first.stdout
+    result = json.loads((out / "sft_result.json").read_text())
+    assert 0.0 <= result["eval_accuracy"] <= 1.0 and result["steps"] == 3
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    second = run_cli(["sft", *TINY, f"output_dir={out}"], tmp_path, check_rc=0)
+    assert "cached=True" in second.stdout
+
+
+def test_missing_model_dir(tmp_path):
+    proc = run_cli(["sft", f"model.path={tmp_path}/no_such_model"], tmp_path)
+    assert_one_clean_error(proc, "no_such_model")
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sft:\n  steps: [1, 2\n")
+    assert_one_clean_error(run_cli(["sft", str(bad)], tmp_path), "bad.yaml", "malformed YAML")
+
+
+def test_wrong_type_and_unknown_key(tmp_path):
+    assert_one_clean_error(run_cli(["sft", "sft.steps=many"], tmp_path), "sft.steps='many'")
+    assert_one_clean_error(run_cli(["sft", "sft.stpes=3"], tmp_path), "did you mean 'steps'")
+
+
+def test_dataset_row_without_answer(tmp_path):
+    data = tmp_path / "gsm.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n"
+                    + json.dumps({"question": "2+2?"}) + "\n")
+    proc = run_cli(["sft", *TINY_MODEL, "data.kind=gsm8k", f"data.path={data}"], tmp_path)
+    assert_one_clean_error(proc, "gsm.jsonl:2", "answer")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["sft", "--help"]])
+def test_help(argv, tmp_path):
+    assert "usage" in run_cli(argv, tmp_path, check_rc=0).stdout

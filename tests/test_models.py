@@ -1,0 +1,256 @@
+"""Models: char tokenizer + chat template, tiny model builder, local loading, tiny-model cache."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jinja2
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.config import ConfigError
+from asyncrl.models import (
+    ModelConfig,
+    ModelLoadError,
+    TinyModelConfig,
+    build_char_tokenizer,
+    build_tiny_model,
+    build_tiny_model_in_memory,
+    count_parameters,
+    default_model_dir,
+    ensure_tiny_model,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_dir,
+    save_tokenizer,
+)
+from asyncrl.models import loading
+from asyncrl.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
+
+TEXT = st.text(alphabet=st.sampled_from(CHARACTERS), max_size=200)
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "tool", "content": "{\"ok\": true}"},
+]
+RENDERED = (
+    "<|im_start|>system\nBe brief.<|im_end|>\n"
+    "<|im_start|>user\n2+2?<|im_end|>\n"
+    "<|im_start|>assistant\n4<|im_end|>\n"
+    "<|im_start|>tool\n{\"ok\": true}<|im_end|>\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def reloaded(tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    save_tokenizer(tokenizer, out)
+    return AutoTokenizer.from_pretrained(out, local_files_only=True), out
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+
+def test_special_tokens_have_fixed_ids_and_are_single_tokens(tokenizer):
+    assert [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        a, b = tokenizer.encode("a")[0], tokenizer.encode("b")[0]
+        assert tokenizer.encode(f"a{tok}b") == [a, i, b]
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 3, 4)
+    assert len(tokenizer) == 5 + 1 + 95
+
+
+def test_no_bos_is_prepended_and_unknown_chars_become_unk(tokenizer):
+    assert tokenizer.encode("ab") == tokenizer.encode("a") + tokenizer.encode("b")
+    assert len(tokenizer.encode("ab")) == 2
+    assert tokenizer.encode("a\té") == [tokenizer.encode("a")[0], 4, 4]
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=TEXT)
+def test_round_trip_is_exact(tokenizer, reloaded, text):
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    if not any(tok in text for tok in SPECIAL_TOKENS):
+        assert len(ids) == len(text)  # one id per character
+        assert 4 not in ids
+    assert reloaded[0].encode(text) == ids
+
+
+def test_saved_tokenizer_is_portable_and_identical(tokenizer, reloaded):
+    tok2, out = reloaded
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    # Inline template and the 4.x class name: loadable by the transformers a vLLM release pins.
+    assert config["chat_template"] == tokenizer.chat_template
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    specials = (tok2.pad_token_id, tok2.eos_token_id, tok2.unk_token_id, tok2.bos_token)
+    assert specials == (0, 3, 4, None)
+    text = "<|im_start|>user\nhi there, 1 + 2 = 3?<|im_end|>\n"
+    assert tok2.encode(text) == tokenizer.encode(text)
+    assert tok2.apply_chat_template(MESSAGES, tokenize=False) == RENDERED
+
+
+# ---- chat template ------------------------------------------------------------------------------
+
+def test_chat_template_renders_chatml_exactly(tokenizer):
+    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == RENDERED
+    prompt = tokenizer.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt == RENDERED.split("<|im_start|>assistant")[0] + "<|im_start|>assistant\n"
+    ids = tokenizer.apply_chat_template(MESSAGES, tokenize=True, return_dict=False)
+    assert ids == tokenizer.encode(RENDERED)
+    assert ids.count(2) == 4 and ids.count(3) == 4  # markers are single special ids
+
+
+def test_chat_template_accepts_text_parts_and_none_content(tokenizer):
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [{"role": "user", "content": parts},
+                {"role": "assistant", "content": None}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rendered == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+
+
+def test_chat_template_renders_tools_into_the_system_block(tokenizer):
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    rendered = tokenizer.apply_chat_template(MESSAGES[:2], tools=tools, tokenize=False)
+    assert rendered == (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n"
+        '{"type": "function", "function": {"name": "add"}}\n</tools><|im_end|>\n'
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+    )
+    no_system = tokenizer.apply_chat_template(MESSAGES[1:2], tools=tools, tokenize=False)
+    assert no_system.startswith("<|im_start|>system\n# Tools\n<tools>\n")
+    assert no_system.endswith("</tools><|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n")
+
+
+def test_chat_template_rejects_unknown_role(tokenizer):
+    with pytest.raises(jinja2.TemplateError, match="got robot"):
+        tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
+# ---- tiny model ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tiny_model_saves_and_loads_with_identical_logits(arch, tmp_path):
+    cfg = TinyModelConfig(arch=arch)
+    model, tokenizer = build_tiny_model_in_memory(cfg)
+    out = build_tiny_model(cfg, tmp_path / arch)
+    assert out == tmp_path / arch
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    ids = torch.tensor([tokenizer.encode("<|im_start|>user\n12+34=?<|im_end|>\n")])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+        assert torch.equal(load_causal_lm(out)(ids).logits, model(ids).logits)
+    assert load_tokenizer(out).encode("12+34") == tokenizer.encode("12+34")
+
+    config = json.loads((out / "config.json").read_text())
+    expected_arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+    assert config["architectures"] == [expected_arch] and config["model_type"] == arch
+    assert config["dtype"] == config["torch_dtype"] == "float32"
+    assert config["rope_theta"] == 10000.0
+    assert (config["eos_token_id"], config["pad_token_id"], config["bos_token_id"]) == (3, 0, 1)
+    assert config["vocab_size"] == 128  # 101 ids padded to a multiple of 64
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 3
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_default_tiny_model_has_about_6m_parameters():
+    model, _ = build_tiny_model_in_memory(TinyModelConfig())
+    assert count_parameters(model) == 6_332_672  # the number quoted in tiny.py's docstring
+    assert 5_000_000 <= count_parameters(model) <= 7_000_000
+
+
+def test_same_seed_same_weights_and_caller_rng_untouched():
+    small = dict(hidden_size=64, num_layers=2, intermediate_size=128)
+    torch.manual_seed(123)
+    a, _ = build_tiny_model_in_memory(TinyModelConfig(**small))
+    after_build = torch.rand(3)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), after_build)  # the build did not consume the caller's RNG
+    b, _ = build_tiny_model_in_memory(TinyModelConfig(**small))
+    c, _ = build_tiny_model_in_memory(TinyModelConfig(**small, seed=1))
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["model.embed_tokens.weight"], sc["model.embed_tokens.weight"])
+
+
+def test_tiny_config_validation_names_fields():
+    with pytest.raises(ValueError, match=r"hidden_size=250 must be divisible by num_heads=4"):
+        TinyModelConfig(hidden_size=250, num_heads=4)
+    with pytest.raises(ValueError, match=r"num_heads=4 must be divisible by num_kv_heads=3"):
+        TinyModelConfig(num_kv_heads=3)
+    with pytest.raises(ConfigError, match="hidden_size"):
+        TinyModelConfig.from_dict({"hidden_size": 0})
+    with pytest.raises(ConfigError, match="did you mean 'num_layers'"):
+        TinyModelConfig.from_dict({"num_layer": 2})
+    with pytest.raises(ConfigError, match="arch"):
+        TinyModelConfig.from_dict({"arch": "gpt2"})
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+def test_missing_dir_and_non_model_dir_raise_model_load_error(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelLoadError, match=re.escape(f"model dir {missing} not found")):
+        load_causal_lm(missing)
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_tokenizer(missing)
+    no_config = re.escape(f"{tmp_path} has no config.json; expected a HF model")
+    with pytest.raises(ModelLoadError, match=no_config):
+        load_causal_lm(tmp_path)
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        resolve_model_dir(ModelConfig(path=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with pytest.raises(ModelLoadError, match="cannot load model weights"):
+        load_causal_lm(tmp_path)
+    with pytest.raises(ModelLoadError, match="has no tokenizer files"):
+        load_tokenizer(tmp_path)
+    assert issubclass(ModelLoadError, ValueError)
+
+
+def test_load_causal_lm_dtype(tmp_path):
+    small = TinyModelConfig(hidden_size=64, num_layers=1, intermediate_size=64)
+    out = build_tiny_model(small, tmp_path)
+    assert load_causal_lm(out, dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype='int8'.*allowed: float32, bfloat16, float16"):
+        load_causal_lm(out, dtype="int8")
+    with pytest.raises(ConfigError, match="dtype"):
+        ModelConfig.from_dict({"dtype": "int8"})
+
+
+def test_ensure_tiny_model_builds_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    cfg = TinyModelConfig(hidden_size=64, num_layers=1, intermediate_size=64)
+    out = ensure_tiny_model(cfg)
+    assert out == default_model_dir(cfg) and out.parent == tmp_path / "models"
+    assert out.name.startswith("tiny-") and (out / "model.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [out.name]  # no temp dir left
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("cached model was rebuilt")
+
+    monkeypatch.setattr(loading, "build_tiny_model", no_rebuild)
+    assert ensure_tiny_model(cfg) == out
+    assert resolve_model_dir(ModelConfig(), cfg) == out
+    assert default_model_dir(cfg.model_copy(update={"seed": 1})) != out
+    assert default_model_dir() == tmp_path / "models" / default_model_dir().name
+
+
+def test_ensure_tiny_model_replaces_a_half_written_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    cfg = TinyModelConfig(hidden_size=64, num_layers=1, intermediate_size=64)
+    stale = default_model_dir(cfg)
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"truncated")
+    out = ensure_tiny_model(cfg)
+    assert out == stale and (out / "config.json").is_file()
+    load_causal_lm(out)
