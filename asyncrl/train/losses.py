@@ -1,12 +1,36 @@
 """Loss functions: pure, named tensors in, (loss, stats) out.
 
 The token normaliser is passed in rather than computed from the micro-batch, so summing the losses
-of micro-batches with the global token count as normaliser equals the loss of one big batch.
+of micro-batches with the global token count as normaliser equals the loss of one big batch (see
+`aggregation.py` for what the normaliser is in each aggregation mode). Per-token tensors are
+[B, T] (row = sequence, right-padded) or packed [N] when only token-level operations are used.
+Stats are python floats over this call's loss tokens, for logging.
+
+The policy loss is AReaL's decoupled PPO objective, which covers the usual variants as settings:
+
+    r_t   = exp(logprobs_t - proximal_t)                         (GSPO: per-sequence geometric mean)
+    l_t   = max(-A_t * r_t, -A_t * clip(r_t, 1 - eps_clip, 1 + eps_clip_higher))
+    l_t   = min(l_t, c_clip * |A_t|)   where A_t < 0              (dual clip)
+    w_t   = exp(proximal_t - behaviour_t), capped or masked at behav_imp_weight_cap
+    loss  = aggregate(w_t * l_t) / normalizer
+
+With proximal == behaviour, w = 1 and this is standard PPO; GRPO is this loss on group-normalised
+advantages without a critic (`grpo_loss`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
+import pydantic
 import torch
+
+from asyncrl.api.validation import check_range
+from asyncrl.config import Config
+from asyncrl.train.advantages import expand_to_tokens, grpo_advantages
+from asyncrl.train.aggregation import LossAgg, aggregate, masked_mean, per_sequence_mean
+from asyncrl.train.regularizers import KLKind, kl_penalty
 
 
 def sft_loss(
@@ -21,3 +45,238 @@ def sft_loss(
     loss = nll / normalizer
     n = mask.sum().clamp(min=1)
     return loss, {"sft/nll_per_token": float(nll.detach() / n), "sft/tokens": float(mask.sum())}
+
+
+class PPOLossConfig(Config):
+    eps_clip: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
+    # DAPO clip-higher: a wider upper bound lets low-probability tokens grow (keeps entropy up).
+    eps_clip_higher: float | None = pydantic.Field(None, gt=0.0)
+    # Dual clip: bounds the loss of a negative-advantage token whose ratio has exploded.
+    c_clip: float | None = pydantic.Field(None, gt=1.0)
+    # Bound on pi_prox / pi_behav for stale tokens; None trusts the raw weight.
+    behav_imp_weight_cap: float | None = pydantic.Field(None, gt=1.0)
+    behav_imp_weight_mode: Literal["cap", "mask"] = "cap"
+    ratio_level: Literal["token", "sequence"] = "token"
+    loss_agg: LossAgg = "token_mean"
+    entropy_coef: float = pydantic.Field(0.0, ge=0.0)
+    kl_coef: float = pydantic.Field(0.0, ge=0.0)
+    kl_kind: KLKind = "k3"
+    # "reward": the trainer subtracts kl_coef * KL from token rewards (regularizers.kl_reward)
+    # before advantages; "loss": ppo_actor_loss adds kl_coef * KL with gradient.
+    kl_as: Literal["reward", "loss"] = "loss"
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher
+
+
+def _zeros_bool(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x, dtype=torch.bool)
+
+
+def _seq_to_tokens(per_seq: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return per_seq.unsqueeze(-1).expand_as(like)
+
+
+def _log_ratio(
+    delta: torch.Tensor, mask: torch.Tensor, level: Literal["token", "sequence"]
+) -> torch.Tensor:
+    """Per-token log importance ratio; GSPO's sequence level uses the mean over the sequence,
+    i.e. the log of the length-normalised sequence likelihood ratio, broadcast to its tokens."""
+    # Zero on padding so exp() of garbage logprobs there can never overflow into the loss.
+    delta = torch.where(mask, delta, torch.zeros_like(delta))
+    if level == "sequence":
+        return _seq_to_tokens(per_sequence_mean(delta, mask), delta)
+    return delta
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, cfg: PPOLossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss (to minimise), clip mask, dual-clip mask."""
+    clipped = ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.clip_high)
+    pg1 = -adv * ratio
+    pg2 = -adv * clipped
+    # Strict '>' so a ratio exactly on the boundary still counts as inside the trust region and
+    # keeps its gradient (ties in torch.maximum would halve it).
+    clip_mask = pg2 > pg1
+    pg = torch.where(clip_mask, pg2, pg1)
+    if cfg.c_clip is None:
+        return pg, clip_mask, _zeros_bool(pg)
+    pg3 = -adv * cfg.c_clip  # = c_clip * |A| where A < 0; a constant, so no gradient
+    dual_mask = (adv < 0) & (pg > pg3)
+    return torch.where(dual_mask, pg3, pg), clip_mask, dual_mask
+
+
+def _cap(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tensor:
+    return w.clamp(max=cap)
+
+
+def _mask(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.where(over, torch.zeros_like(w), w)
+
+
+_WEIGHT_BOUNDS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "cap": _cap,
+    "mask": _mask,
+}
+
+
+def _behaviour_weight(
+    proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: PPOLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = pi_prox / pi_behav per token (per sequence, geometric mean, when ratio_level is
+    "sequence", to match the ratio it multiplies), bounded per cfg; also the over-cap mask."""
+    w = torch.exp(_log_ratio(proximal - behaviour, mask, cfg.ratio_level))
+    if cfg.behav_imp_weight_cap is None:
+        return w, _zeros_bool(w)
+    over = (w > cfg.behav_imp_weight_cap) & mask
+    bound = _WEIGHT_BOUNDS[cfg.behav_imp_weight_mode]
+    return bound(w, over, cfg.behav_imp_weight_cap), over
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    cfg: PPOLossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO policy loss (formula in the module docstring).
+
+    All per-token tensors share one shape, [B, T] (or packed [N] with ratio_level="token" and
+    loss_agg="token_mean"): logprobs under the parameters being trained (with grad), proximal and
+    behaviour logprobs, advantages (all three treated as constants), loss_mask (1 = train).
+    Tokens dropped by behav_imp_weight_mode="mask" still count in `normalizer`, so dropping a
+    token shrinks the step instead of reweighting the surviving tokens.
+    """
+    mask = loss_mask.bool()
+    proximal = proximal_logprobs.detach()
+    adv = advantages.detach().to(logprobs.dtype)
+    log_ratio = _log_ratio(logprobs - proximal, mask, cfg.ratio_level)
+    ratio = torch.exp(log_ratio)
+    pg, clip_mask, dual_mask = _clipped_surrogate(ratio, adv, cfg)
+    weight, over_cap = _behaviour_weight(proximal, behaviour_logprobs.detach(), mask, cfg)
+    pg = pg * weight
+    loss = aggregate(pg, mask, normalizer, cfg.loss_agg)
+    dropped = cfg.behav_imp_weight_mode == "mask"
+    with torch.no_grad():
+        token_log_ratio = torch.where(mask, logprobs - proximal, torch.zeros_like(proximal))
+        k3_prox_new = torch.expm1(token_log_ratio) - token_log_ratio
+        w_on_tokens = torch.where(mask, weight, torch.zeros_like(weight))
+        stats = {
+            "ppo/pg_loss": float(loss),
+            "ppo/clip_frac": float(masked_mean(clip_mask.float(), mask)),
+            "ppo/dual_clip_frac": float(masked_mean(dual_mask.float(), mask)),
+            # k3 estimate of KL(pi_prox || pi_theta): how far this update has moved the policy.
+            "ppo/approx_kl": float(masked_mean(k3_prox_new, mask)),
+            "ppo/ratio_mean": float(masked_mean(ratio, mask)),
+            "ppo/behav_weight_mean": float(masked_mean(weight, mask)),
+            "ppo/behav_weight_max": float(w_on_tokens.max()) if mask.any() else 0.0,
+            "ppo/behav_over_cap_frac": float(masked_mean(over_cap.float(), mask)),
+            "ppo/behav_masked_frac": float(masked_mean(over_cap.float(), mask)) if dropped else 0.0,
+            "ppo/tokens": float(mask.sum()),
+        }
+    return loss, stats
+
+
+def ppo_actor_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    cfg: PPOLossConfig,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss - entropy_coef * entropy + kl_coef * KL(pi || ref) (the last when kl_as="loss").
+
+    entropy [B, T] per token with grad (`entropy_from_logits`), ref_logprobs [B, T]; both are
+    aggregated like the policy term, with the same normaliser.
+    """
+    loss, stats = ppo_policy_loss(
+        logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, normalizer, cfg
+    )
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token `entropy`")
+    if entropy is not None:
+        stats["actor/entropy"] = float(masked_mean(entropy.detach(), loss_mask))
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * aggregate(entropy, loss_mask, normalizer, cfg.loss_agg)
+    if cfg.kl_coef > 0 and cfg.kl_as == "loss":
+        if ref_logprobs is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} with kl_as='loss' needs `ref_logprobs`")
+        kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_kind)
+        stats["actor/kl_ref"] = float(masked_mean(kl.detach(), loss_mask))
+        loss = loss + cfg.kl_coef * aggregate(kl, loss_mask, normalizer, cfg.loss_agg)
+    stats["actor/loss"] = float(loss.detach())
+    return loss, stats
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    cfg: PPOLossConfig,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO: the PPO actor loss on group-normalised outcome advantages, no critic.
+
+    rewards [B] and group_ids [B] for the rows of the [B, T] tensors; every group must be whole
+    in this call, since its mean and std are the baseline. (A trainer that micro-batches computes
+    advantages once per step with `advantages.compute_advantages` and calls `ppo_actor_loss`.)
+    """
+    advantages = expand_to_tokens(grpo_advantages(rewards, group_ids), loss_mask)
+    return ppo_actor_loss(
+        logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, normalizer, cfg,
+        entropy=entropy, ref_logprobs=ref_logprobs,
+    )
+
+
+def critic_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    value_eps_clip: float | None = 0.2,
+    loss_agg: LossAgg = "token_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO value loss: 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, eps).
+
+    values [B, T] (with grad), old_values [B, T] (critic at rollout time), returns [B, T] (GAE
+    targets); value_eps_clip None disables clipping. The max makes the clip pessimistic: it only
+    removes gradient that would move V further than eps from V_old in the direction of the error.
+    """
+    if value_eps_clip is not None:
+        check_range("value_eps_clip", value_eps_clip, lo=0.0, lo_open=True)
+    mask = loss_mask.bool()
+    returns = returns.detach()
+    err = (values - returns).square()
+    if value_eps_clip is None:
+        clip_mask = _zeros_bool(err)
+        sq = err
+    else:
+        old = old_values.detach()
+        v_clip = old + (values - old).clamp(-value_eps_clip, value_eps_clip)
+        err_clip = (v_clip - returns).square()
+        clip_mask = err_clip > err
+        sq = torch.where(clip_mask, err_clip, err)
+    loss = aggregate(0.5 * sq, mask, normalizer, loss_agg)
+    with torch.no_grad():
+        stats = {
+            "critic/loss": float(loss),
+            "critic/clip_frac": float(masked_mean(clip_mask.float(), mask)),
+            "critic/value_mean": float(masked_mean(values, mask)),
+            "critic/return_mean": float(masked_mean(returns, mask)),
+        }
+    return loss, stats
