@@ -1,0 +1,290 @@
+"""`AsyncLLMEngine`: the api `InferenceEngine` protocol over `LLMEngine`, stepped on a thread.
+
+The engine is single-threaded, so every call that touches it becomes a command run by the engine
+thread between two steps; that is what makes a weight update and its version bump atomic with
+respect to sampled tokens. Results reach callers through `loop.call_soon_threadsafe`, so any number
+of event loops may share one engine; torch releases the GIL inside its kernels, so the event loop
+keeps running while a step computes.
+
+`n_samples > 1` is rejected (ValueError): a request is one sequence, and rollout code expands a
+group into one request per sample, which also lets the samples share the batch freely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncrl.api import ModelRequest, ModelResponse, WeightUpdateKind, WeightUpdateMeta
+from asyncrl.inference.engine import EngineConfig, LLMEngine
+from asyncrl.inference.model_runner import iter_safetensors
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; the original exception is the __cause__."""
+
+
+@dataclass
+class TokenDelta:
+    """Tokens sampled since the previous item of an `agenerate_stream`."""
+
+    output_tokens: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+
+
+@dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future | None = None  # agenerate: resolved once
+    queue: asyncio.Queue | None = None  # agenerate_stream: deltas, then the response or an error
+    sent: int = 0  # tokens already streamed
+    done: bool = field(default=False)
+
+
+def _resolve(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self, engine: EngineConfig | LLMEngine, detokenize: Callable[[list[int]], str] | None = None
+    ) -> None:
+        self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine, detokenize)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _waiters, touched by callers and the engine thread
+        self._waiters: dict[str, _Waiter] = {}
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="asyncrl-engine", daemon=True)
+        self._thread.start()
+
+    # ---- InferenceEngine protocol ---------------------------------------------------------
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop, future=loop.create_future())
+        async with self._request(req, waiter):
+            return await waiter.future
+
+    async def agenerate_stream(
+        self, req: ModelRequest
+    ) -> AsyncIterator[TokenDelta | ModelResponse]:
+        """Yield a `TokenDelta` after each step that produced tokens, then the final response.
+
+        The response holds the whole output; tokens of the step that finished the request
+        arrive only there.
+        """
+        waiter = _Waiter(asyncio.get_running_loop(), queue=asyncio.Queue())
+        async with self._request(req, waiter):
+            while True:
+                item = await waiter.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, ModelResponse):
+                    return
+
+    def get_version(self) -> int:
+        return self.engine.version
+
+    def pause(self) -> None:
+        """Stop scheduling and abort every unfinished request (they return partial output).
+
+        Requests submitted while paused wait for `resume`. Blocks until the engine thread applied
+        it, at most one step.
+        """
+
+        def pause_and_abort() -> None:
+            self.engine.pause()
+            self._deliver(self.engine.abort())
+
+        self._submit(pause_and_abort).result()
+
+    def resume(self) -> None:
+        self._submit(self.engine.resume).result()
+
+    def abort(self, rid: str | None = None) -> int:
+        """Finish `rid` (all requests when None) now with partial output; returns how many."""
+
+        def run() -> int:
+            out = self.engine.abort(rid)
+            self._deliver(out)
+            return len(out)
+
+        return self._submit(run).result()
+
+    async def update_weights(
+        self, meta: WeightUpdateMeta, state_dict: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Load new weights and set the version to `meta.version` between two steps.
+
+        DISK reads `meta.path` on a worker thread (the engine keeps generating meanwhile);
+        TENSORS takes the in-process `state_dict` (HF parameter names).
+        """
+        if meta.kind == WeightUpdateKind.DISK:
+            weights = await asyncio.to_thread(lambda: list(iter_safetensors(meta.path)))
+        elif meta.kind == WeightUpdateKind.TENSORS:
+            if state_dict is None:
+                raise ValueError("update_weights(kind=tensors) needs the `state_dict` argument")
+            weights = state_dict
+        else:
+            raise ValueError(
+                f"kind={meta.kind.value!r} is not supported by the in-process engine; "
+                f"allowed {[WeightUpdateKind.DISK.value, WeightUpdateKind.TENSORS.value]}"
+            )
+        update = self.engine.update_weights_from_state_dict
+        await asyncio.wrap_future(self._submit(lambda: update(weights, meta.version)))
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()  # plain counters: a racy read is fine for monitoring
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Abort what is in flight (callers get partial output) and stop the engine thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+
+    def __enter__(self) -> AsyncLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- caller side ----------------------------------------------------------------------
+
+    def _request(self, req: ModelRequest, waiter: _Waiter) -> _RequestScope:
+        self.engine.validate(req)  # fast ValueError in the caller; re-checked on the engine thread
+        return _RequestScope(self, req, waiter)
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        if self._error is not None:
+            raise EngineDeadError("the engine thread stopped on an error") from self._error
+        if self._closed:
+            raise RuntimeError("AsyncLLMEngine is shut down")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _add(self, req: ModelRequest) -> None:
+        try:
+            self.engine.add_request(req)
+        except Exception as err:  # e.g. the same rid raced in from another loop: tell the caller
+            self._notify(req.rid, None, err)
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                self._drain_commands()
+                if self.engine.has_unfinished() and not self.engine.paused:
+                    finished = self.engine.step()
+                    self._stream_progress()
+                    self._deliver(finished)
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+            self._drain_commands()
+            self._deliver(self.engine.abort())
+        except BaseException as err:  # boundary: fail every caller loudly instead of hanging them
+            self._error = err
+            with self._lock:
+                rids = list(self._waiters)
+            for rid in rids:
+                self._notify(rid, None, EngineDeadError(f"engine thread died: {err!r}"))
+            raise
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as err:  # the command's caller receives it
+                fut.set_exception(err)
+
+    def _stream_progress(self) -> None:
+        with self._lock:
+            streams = [(rid, w) for rid, w in self._waiters.items() if w.queue is not None]
+        for rid, w in streams:
+            seq = self.engine.get_sequence(rid)
+            if seq is None or seq.num_outputs <= w.sent:
+                continue
+            s = w.sent
+            delta = TokenDelta(
+                seq.output_tokens[s:], seq.output_logprobs[s:], seq.output_versions[s:]
+            )
+            w.sent = seq.num_outputs
+            self._post(w, delta)
+
+    def _deliver(self, responses: list[ModelResponse]) -> None:
+        for resp in responses:
+            self._notify(resp.rid, resp, None)
+
+    def _notify(self, rid: str, resp: ModelResponse | None, error: BaseException | None) -> None:
+        with self._lock:
+            waiter = self._waiters.get(rid)
+        if waiter is not None and not waiter.done:
+            waiter.done = True
+            self._post(waiter, resp, error)
+
+    @staticmethod
+    def _post(waiter: _Waiter, item: Any, error: BaseException | None = None) -> None:
+        try:
+            if waiter.queue is not None:
+                waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, error or item)
+            else:
+                waiter.loop.call_soon_threadsafe(_resolve, waiter.future, item, error)
+        except RuntimeError:  # that caller's event loop is closed: nobody is waiting any more
+            pass
+
+
+class _RequestScope:
+    """Registers a waiter and submits the request; on exit unregisters it, aborts if unfinished."""
+
+    def __init__(self, engine: AsyncLLMEngine, req: ModelRequest, waiter: _Waiter) -> None:
+        self.engine, self.req, self.waiter = engine, req, waiter
+
+    async def __aenter__(self) -> None:
+        eng, rid = self.engine, self.req.rid
+        with eng._lock:
+            if rid in eng._waiters:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            eng._waiters[rid] = self.waiter
+        try:
+            eng._submit(lambda: eng._add(self.req))
+        except BaseException:
+            with eng._lock:
+                eng._waiters.pop(rid, None)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        eng, rid = self.engine, self.req.rid
+        with eng._lock:
+            eng._waiters.pop(rid, None)
+        if not self.waiter.done and not eng._closed and eng._error is None:
+            # The caller gave up (cancelled, or closed the stream): free the slot now.
+            eng._submit(lambda: eng._deliver(eng.engine.abort(rid)))

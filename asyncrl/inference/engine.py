@@ -1,0 +1,245 @@
+"""The in-process generation engine: `step()` = schedule -> run the model -> sample -> postprocess.
+
+Single-threaded by design: every method must be called from one thread (`AsyncLLMEngine` owns that
+thread). A weight update therefore happens between two steps, and the version changes together with
+the weights: every token carries the version of the weights that produced its logits. Running
+sequences survive an update; their KV cache is recomputed under the new weights on the next step,
+so a response spanning an update holds tokens of both versions and its later tokens are exactly
+what the new policy would produce for that prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
+
+import pydantic
+import torch
+
+from asyncrl.api import ModelRequest, ModelResponse, StopReason
+from asyncrl.config import Config
+from asyncrl.inference.llama import LlamaArgs, unsupported_reason
+from asyncrl.inference.model_runner import (
+    DTYPES,
+    ModelRunner,
+    iter_safetensors,
+    load_runner,
+    read_eos_ids,
+    read_hf_config,
+)
+from asyncrl.inference.sampler import Sampler
+from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence
+
+
+class EngineConfig(Config):
+    model_path: str
+    max_num_seqs: int = pydantic.Field(64, ge=1)  # KV cache slots = concurrently running sequences
+    max_seq_len: int | None = pydantic.Field(None, ge=2)  # context length; None: the model's
+    # Memory cap for the KV cache; the slot count is min(max_num_seqs, budget // bytes per slot).
+    kv_cache_bytes: int | None = pydantic.Field(None, ge=1)
+    max_prefill_tokens: int = pydantic.Field(8192, ge=1)  # padded tokens in one prefill step
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    backend: Literal["auto", "native", "hf"] = "auto"  # auto: native if the arch is supported
+    fast_matmuls: bool = True  # native on CPU: prepacked oneDNN weights with fused epilogues
+    seed: int = 0  # sampling noise of requests without their own seed
+    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
+    num_threads: int | None = pydantic.Field(None, ge=1)  # torch intra-op threads
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, detokenize: Callable[[list[int]], str] | None = None
+    ) -> None:
+        self.config = config
+        self.detokenize = detokenize  # needed only by requests with stop strings
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        hf_config = read_hf_config(config.model_path)
+        dtype = DTYPES[config.dtype]
+        max_pos = hf_config.get("max_position_embeddings", 1 << 30)
+        self.max_seq_len = config.max_seq_len or max_pos
+        if self.max_seq_len > max_pos:
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} is out of range; allowed [2, {max_pos}] "
+                "(the model's max_position_embeddings)"
+            )
+        num_slots = self._num_slots(hf_config, dtype)
+        self.runner = load_runner(
+            config.model_path, config.backend, num_slots, self.max_seq_len, dtype, hf_config,
+            config.fast_matmuls,
+        )
+        self.vocab_size = self.runner.vocab_size
+        eos = [] if config.ignore_eos else read_eos_ids(config.model_path, hf_config)
+        self.sampler = Sampler(eos, seed=config.seed)
+        self.scheduler = Scheduler(num_slots, self.max_seq_len, config.max_prefill_tokens)
+        self.version = 0
+        self.paused = False
+        self._rids: dict[str, Sequence] = {}
+
+    def _num_slots(self, hf_config: dict, dtype: torch.dtype) -> int:
+        cfg = self.config
+        if cfg.kv_cache_bytes is None or cfg.backend == "hf" or unsupported_reason(hf_config):
+            return cfg.max_num_seqs
+        per_slot = ModelRunner.bytes_per_slot(
+            LlamaArgs.from_hf_config(hf_config), self.max_seq_len, dtype
+        )
+        if cfg.kv_cache_bytes < per_slot:
+            raise ValueError(
+                f"kv_cache_bytes={cfg.kv_cache_bytes} is out of range; one sequence of "
+                f"max_seq_len={self.max_seq_len} needs {per_slot} bytes"
+            )
+        return min(cfg.max_num_seqs, cfg.kv_cache_bytes // per_slot)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, req: ModelRequest) -> None:
+        """Raise ValueError for a request this engine cannot serve exactly (never truncates)."""
+        g = req.gconfig
+        if g.n_samples != 1:
+            raise ValueError(
+                f"n_samples={g.n_samples} is out of range; allowed [1, 1]: the engine returns one "
+                "sequence per request, so submit one ModelRequest per sample"
+            )
+        if not req.input_ids:
+            raise ValueError("input_ids is empty: a prompt needs at least one token")
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"input_ids contain {bad[:5]} out of range; allowed [0, {self.vocab_size - 1}]"
+            )
+        bad = [t for t in g.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids contain {bad[:5]} out of range; allowed [0, {self.vocab_size - 1}]"
+            )
+        total = len(req.input_ids) + g.max_new_tokens
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({g.max_new_tokens}) = "
+                f"{total} is out of range; allowed <= max_seq_len={self.max_seq_len}"
+            )
+        if g.stop and self.detokenize is None:
+            raise ValueError(f"stop={g.stop} needs an engine built with a detokenize callback")
+        if req.rid in self._rids:
+            raise ValueError(f"request id {req.rid!r} is already in flight")
+
+    def add_request(self, req: ModelRequest) -> None:
+        self.validate(req)
+        seq = Sequence(req.rid, list(req.input_ids), req.gconfig)
+        self._rids[req.rid] = seq
+        self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def get_sequence(self, rid: str) -> Sequence | None:
+        """The live state of an unfinished request (read-only for callers)."""
+        return self._rids.get(rid)
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+            "kv_cache_usage": len(s.running) / s.num_slots,
+            "version": self.version,
+            "paused": float(self.paused),
+        }
+
+    # ---- the request path -----------------------------------------------------------------
+
+    def step(self) -> list[ModelResponse]:
+        """Advance every scheduled sequence by one token; return the requests that finished."""
+        batch = None if self.paused else self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.run(batch)
+        sampled = self.sampler(logits, batch.seqs)
+        return self._postprocess(batch, sampled.tokens, sampled.logprobs)
+
+    def _postprocess(
+        self, batch: Batch, tokens: list[int], logprobs: list[float]
+    ) -> list[ModelResponse]:
+        now = time.perf_counter()
+        finished: dict[StopReason, list[Sequence]] = {}
+        for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
+            # Everything but the newest token is now in the cache (a prefill cached all of it).
+            seq.num_cached = seq.num_tokens if batch.phase == Phase.PREFILL else seq.num_cached + 1
+            seq.append(token, logprob, self.version, now)
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                finished.setdefault(reason, []).append(seq)
+        return [out for reason, seqs in finished.items() for out in self._finish(seqs, reason)]
+
+    def _stop_reason(self, seq: Sequence) -> StopReason | None:
+        g = seq.gconfig
+        if seq.num_outputs > g.min_new_tokens:  # the sampler suppresses stop ids before that
+            if seq.token_ids[-1] in self.sampler.stop_ids(seq):
+                return StopReason.STOP
+            # Whole-output decode: simple and exact for multi-token / multi-byte stops; the cost
+            # only hits requests that ask for stop strings.
+            if g.stop and any(s in self.detokenize(seq.output_tokens) for s in g.stop):
+                return StopReason.STOP
+        if seq.num_outputs >= g.max_new_tokens or seq.num_tokens >= self.max_seq_len:
+            return StopReason.LENGTH
+        return None
+
+    def _finish(self, seqs: list[Sequence], reason: StopReason) -> list[ModelResponse]:
+        self.runner.move_slots(self.scheduler.release(seqs, reason))
+        out = []
+        for seq in seqs:
+            del self._rids[seq.rid]
+            latency = seq.finish_time - seq.arrival
+            ttft = seq.first_token_time - seq.arrival if seq.first_token_time else latency
+            out.append(
+                ModelResponse(
+                    input_tokens=seq.prompt,
+                    output_tokens=seq.output_tokens,
+                    output_logprobs=seq.output_logprobs,
+                    output_versions=seq.output_versions,
+                    stop_reason=reason,
+                    latency=latency,
+                    ttft=ttft,
+                    rid=seq.rid,
+                )
+            )
+        return out
+
+    # ---- control --------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop scheduling; requests stay queued/running until `resume` or `abort`."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def abort(self, rid: str | None = None) -> list[ModelResponse]:
+        """Finish `rid` (every unfinished request when None) now, with the tokens it has."""
+        return self._finish(self.scheduler.find(rid), StopReason.ABORT)
+
+    def update_weights_from_state_dict(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int, strict: bool = True,
+    ) -> None:
+        """Swap weights in place and set the version; running sequences recompute their cache."""
+        if version < 0:
+            raise ValueError(f"version={version} is out of range; allowed [0, inf]")
+        self.runner.load_weights(weights, strict=strict)
+        self.version = version
+        self.scheduler.invalidate_cache()
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        self.update_weights_from_state_dict(iter_safetensors(path), version)
+
+    def generate(self, requests: list[ModelRequest]) -> list[ModelResponse]:
+        """Run `requests` to completion (blocking); responses in request order."""
+        if self.paused:
+            raise RuntimeError("generate() on a paused engine would never finish; resume() first")
+        for req in requests:
+            self.add_request(req)
+        done: dict[str, ModelResponse] = {}
+        while self.has_unfinished():
+            done.update((r.rid, r) for r in self.step())
+        return [done[r.rid] for r in requests]

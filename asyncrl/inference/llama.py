@@ -1,0 +1,296 @@
+"""A compact Llama / Qwen2 decoder that reads and writes the engine's preallocated KV cache.
+
+Weights load by their Hugging Face names straight from safetensors (no transformers model object):
+q/k/v projections are fused into one matrix and gate/up into another, so a decode step over the
+whole batch is five matmuls per layer. Two forward entry points share the layer code and differ
+only in attention:
+
+- `prefill`: right-padded `[n, L]` prompts computed from position 0 (causal SDPA over the fresh
+  K/V; right padding never leaks into real tokens under a causal mask), K/V written into the
+  sequences' slots.
+- `decode`: one new token per sequence at its own position; sequence i lives in cache slot i (the
+  scheduler keeps the running set compact), attention reads `cache[:n, :, :T]` as a view and masks
+  positions past each sequence's length.
+
+The cache layout is `[num_layers, 2 (k/v), num_slots, num_kv_heads, max_seq_len, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from asyncrl.inference.linear import OneDNNMatmuls, PlainMatmuls, make_fast_matmuls
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    attention_bias: bool  # Qwen2: q/k/v projections have biases
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> LlamaArgs:
+        """Raises ValueError naming the first feature this compact model does not implement."""
+        reason = unsupported_reason(cfg)
+        if reason:
+            raise ValueError(f"compact model cannot run this checkpoint: {reason}")
+        rope = cfg.get("rope_parameters") or {}
+        heads = cfg["num_attention_heads"]
+        is_qwen2 = cfg.get("model_type") == "qwen2"
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            attention_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg["max_position_embeddings"],
+        )
+
+
+def unsupported_reason(cfg: Mapping[str, Any]) -> str | None:
+    """Why the compact model cannot reproduce this HF config exactly (None if it can)."""
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return f"architectures={archs}; supported {list(SUPPORTED_ARCHITECTURES)}"
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"rope_type={rope.get('rope_type', rope.get('type'))!r}; supported 'default'"
+    if cfg.get("hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg.get('hidden_act')!r}; supported 'silu'"
+    if cfg.get("mlp_bias"):
+        return "mlp_bias=True; supported False"
+    if cfg.get("use_sliding_window"):
+        return "use_sliding_window=True; supported False"
+    return None
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv_w: torch.Tensor  # [(H + 2K) * hd, D]: q, k, v stacked
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    ln2: torch.Tensor
+    gate_up_w: torch.Tensor  # [2 * I, D]: gate, up stacked
+    down_w: torch.Tensor
+
+
+@dataclass
+class _Ctx:
+    """Per-step tensors shared by every layer."""
+
+    cache: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    n: int
+    length: int  # prefill: padded prompt length; decode: attended length T
+    slots: torch.Tensor | None = None  # prefill: destination slot per row
+    kv_rows: torch.Tensor | None = None  # decode: rows of the flat layer cache for new k, v
+    mask: torch.Tensor | None = None  # decode: additive [n * K, 1, T]
+
+
+class LlamaModel:
+    def __init__(
+        self, args: LlamaArgs, dtype: torch.dtype = torch.float32, rows_hint: int = 64,
+        fast_matmuls: bool = True,
+    ) -> None:
+        self.args, self.dtype = args, dtype
+        self.rows_hint, self.use_fast = rows_hint, fast_matmuls
+        a = args
+        d, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
+        self.q_dim, self.kv_dim = a.num_heads * hd, a.num_kv_heads * hd
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype)
+
+        self.embed = empty(a.vocab_size, d)
+        self.lm_head = self.embed if a.tie_word_embeddings else empty(a.vocab_size, d)
+        self.norm = empty(d)
+        self.layers = [
+            _Layer(
+                ln1=empty(d),
+                qkv_w=empty(self.q_dim + 2 * self.kv_dim, d),
+                qkv_b=empty(self.q_dim + 2 * self.kv_dim) if a.attention_bias else None,
+                o_w=empty(d, self.q_dim),
+                ln2=empty(d),
+                gate_up_w=empty(2 * inter, d),
+                down_w=empty(d, inter),
+            )
+            for _ in range(a.num_layers)
+        ]
+        # HF computes RoPE in fp32; rotate_half(x) * sin == roll(x, hd/2) * [-sin, sin].
+        inv_freq = 1.0 / a.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        freqs = torch.outer(torch.arange(a.max_position_embeddings, dtype=torch.float32), inv_freq)
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(dtype)
+        self._targets = self._name_map()
+        self._plain = PlainMatmuls(self.layers, self.lm_head)
+        self._fast: OneDNNMatmuls | None = None  # built from real weights in load_weights
+
+    def _name_map(self) -> dict[str, torch.Tensor]:
+        """HF parameter name -> the (view of the) tensor it is copied into."""
+        q, kv, inter = self.q_dim, self.kv_dim, self.args.intermediate_size
+        m = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not self.args.tie_word_embeddings:
+            m["lm_head.weight"] = self.lm_head
+        for i, w in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            m[p + "input_layernorm.weight"] = w.ln1
+            m[p + "post_attention_layernorm.weight"] = w.ln2
+            parts = (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, None)))
+            for name, sl in parts:
+                m[p + f"self_attn.{name}_proj.weight"] = w.qkv_w[sl]
+                if w.qkv_b is not None:
+                    m[p + f"self_attn.{name}_proj.bias"] = w.qkv_b[sl]
+            m[p + "self_attn.o_proj.weight"] = w.o_w
+            m[p + "mlp.gate_proj.weight"] = w.gate_up_w[:inter]
+            m[p + "mlp.up_proj.weight"] = w.gate_up_w[inter:]
+            m[p + "mlp.down_proj.weight"] = w.down_w
+        return m
+
+    @torch.inference_mode()
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        strict: bool = True,
+    ) -> None:
+        """Copy HF-named tensors in place (no reallocation; views stay valid).
+
+        `strict` requires every parameter; a partial update (one bucket of a stream) passes False.
+        Names and shapes are all checked before the first copy, so a bad update leaves the old
+        weights intact.
+        """
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        pairs, seen = [], set()
+        for name, tensor in items:
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                name = "model.embed_tokens.weight"  # some exporters write the tied copy too
+            target = self._targets.get(name)
+            if target is None:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # a derived buffer some checkpoints carry
+                raise ValueError(f"unknown weight {name!r} for {self.args.num_layers}-layer model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}; "
+                    f"expected {tuple(target.shape)}"
+                )
+            pairs.append((target, tensor))
+            seen.add(name)
+        missing = sorted(set(self._targets) - seen)
+        if strict and missing:
+            raise ValueError(f"{len(missing)} weights missing from the update, e.g. {missing[:3]}")
+        for target, tensor in pairs:
+            target.copy_(tensor)
+        if self._fast is not None:
+            self._fast.repack()
+        elif self.use_fast and not missing:
+            self._fast = make_fast_matmuls(self.layers, self.lm_head, self.rows_hint)
+
+    def _rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return torch.addcmul(x * cos, x.roll(self.args.head_dim // 2, -1), sin, out=out)
+
+    def _attn_prefill(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
+        a, n, length = self.args, c.n, c.length
+        h, kvh, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        qk = qkv[:, : self.q_dim + self.kv_dim].view(n, length, h + kvh, hd)
+        qk = self._rope(qk, c.cos, c.sin)
+        q = qk[:, :, :h].transpose(1, 2)
+        k = qk[:, :, h:].transpose(1, 2)
+        v = qkv[:, self.q_dim + self.kv_dim:].view(n, length, kvh, hd).transpose(1, 2)
+        c.cache[layer, 0][c.slots, :, :length] = k
+        c.cache[layer, 1][c.slots, :, :length] = v
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kvh != h)
+        return o.transpose(1, 2).reshape(n * length, self.q_dim)
+
+    def _attn_decode(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
+        a, n, t = self.args, c.n, c.length
+        h, kvh, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        qk = qkv[:, : self.q_dim + self.kv_dim].view(n, h + kvh, hd)
+        # RoPE in place, so the new k and v are adjacent in each row and reach the cache in one
+        # index_copy_ (flat cache rows precomputed per step in `decode`).
+        self._rope(qk, c.cos, c.sin, out=qk)
+        flat = c.cache[layer].view(-1, hd)
+        flat.index_copy_(0, c.kv_rows, qkv[:, self.q_dim:].reshape(n * 2 * kvh, hd))
+        # GQA without repeating K/V: the h // kvh query heads sharing a kv head form one bmm row
+        # block, and (slot, kv head) merge into the batch dim of a view of the cache.
+        k = c.cache[layer, 0, :n, :, :t].reshape(n * kvh, t, hd)
+        v = c.cache[layer, 1, :n, :, :t].reshape(n * kvh, t, hd)
+        q = qkv[:, : self.q_dim].reshape(n * kvh, h // kvh, hd)
+        scores = torch.baddbmm(c.mask, q, k.transpose(1, 2), alpha=hd**-0.5)
+        return torch.bmm(scores.softmax(-1), v).view(n, self.q_dim)
+
+    def _layers(self, x: torch.Tensor, attn, c: _Ctx) -> torch.Tensor:
+        d, eps = self.args.hidden_size, self.args.rms_norm_eps
+        mm = self._matmuls(x.shape[0])
+        for i, w in enumerate(self.layers):
+            qkv = mm.qkv(i, F.rms_norm(x, (d,), w.ln1, eps))
+            x = mm.o_proj_add(i, attn(i, qkv, c), x)
+            x = mm.mlp_add(i, F.rms_norm(x, (d,), w.ln2, eps), x)
+        return x
+
+    def _matmuls(self, rows: int) -> PlainMatmuls | OneDNNMatmuls:
+        fast = self._fast if rows >= OneDNNMatmuls.MIN_ROWS else None
+        return fast or self._plain
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.rms_norm(x, (self.args.hidden_size,), self.norm, self.args.rms_norm_eps)
+        return self._matmuls(x.shape[0]).logits(x).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """tokens [n, L] right-padded, lengths [n], slots [n] -> fp32 logits of each last token."""
+        n, length = tokens.shape
+        cos = self.cos[:length, None]  # [L, 1, hd], broadcast over rows and heads
+        sin = self.sin[:length, None]
+        c = _Ctx(cache, cos, sin, n, length, slots=slots)
+        x = self._layers(F.embedding(tokens.reshape(-1), self.embed), self._attn_prefill, c)
+        last = torch.arange(n) * length + lengths - 1
+        return self._logits(x[last])
+
+    @torch.inference_mode()
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """tokens [n] at positions [n]; row i is cache slot i -> fp32 logits [n, V]."""
+        n = tokens.shape[0]
+        t = int(positions.max()) + 1
+        _, _, slots, kvh, max_len, _ = cache.shape
+        masked = torch.arange(t) > positions[:, None]  # [n, T]: beyond each row's new token
+        mask = torch.zeros(n, 1, t, dtype=self.dtype).masked_fill_(masked[:, None], float("-inf"))
+        # Row of cache[layer].view(-1, head_dim) for (sequence i, k/v, kv head): matches the
+        # order of qkv[:, q_dim:] viewed as [n, 2, kvh, head_dim].
+        kv = torch.arange(2)[None, :, None]
+        head = torch.arange(kvh)[None, None, :]
+        i = torch.arange(n)[:, None, None]
+        kv_rows = ((kv * slots + i) * kvh + head) * max_len + positions[:, None, None]
+        c = _Ctx(
+            cache, self.cos[positions, None], self.sin[positions, None], n, t,
+            kv_rows=kv_rows.reshape(-1), mask=mask.repeat_interleave(kvh, 0),
+        )
+        return self._logits(self._layers(F.embedding(tokens, self.embed), self._attn_decode, c))

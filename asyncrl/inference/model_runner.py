@@ -1,0 +1,169 @@
+"""Loads a model directory and runs one scheduled batch: Sequences in, last-position logits out.
+
+`ModelRunner` drives the compact Llama/Qwen2 model (`llama.py`) over a preallocated KV cache and is
+the fast path. `HFModelRunner` is the fallback for architectures the compact model does not
+implement: it runs the transformers model over every sequence's full token list each step (no
+cache reuse), which is slow but exact for anything `AutoModelForCausalLM` loads. Both read the
+weights' HF names, so the trainer's state dict or safetensors directory updates either one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from asyncrl.inference.llama import LlamaArgs, LlamaModel, unsupported_reason
+from asyncrl.inference.scheduler import Batch, Phase
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Runner(Protocol):
+    vocab_size: int
+
+    def run(self, batch: Batch) -> torch.Tensor: ...
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None: ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], strict: bool = True) -> None: ...
+
+
+def read_hf_config(path: str | Path) -> dict:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"model path {str(path)!r} has no config.json (expected an HF model dir)")
+    return json.loads(cfg_file.read_text())
+
+
+def read_eos_ids(path: str | Path, hf_config: Mapping) -> list[int]:
+    """EOS ids from generation_config.json (what `generate` uses), else from config.json."""
+    eos = hf_config.get("eos_token_id")
+    gen_file = Path(path) / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def iter_safetensors(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from one .safetensors file or every shard in a directory."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files or not files[0].is_file():
+        raise ValueError(f"no .safetensors weights at {str(p)!r}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+class ModelRunner:
+    """The compact model plus its KV cache `[layers, 2, slots, kv_heads, max_seq_len, head_dim]`."""
+
+    def __init__(
+        self, args: LlamaArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
+        fast_matmuls: bool = True,
+    ) -> None:
+        # The decode batch is at most num_slots rows: the packed weight layout is tuned for it.
+        self.model = LlamaModel(args, dtype, rows_hint=num_slots, fast_matmuls=fast_matmuls)
+        self.vocab_size = args.vocab_size
+        # Zeros, not empty: masked positions are still multiplied, and NaN garbage * 0 stays NaN.
+        self.cache = torch.zeros(
+            args.num_layers, 2, num_slots, args.num_kv_heads, max_seq_len, args.head_dim,
+            dtype=dtype,
+        )
+
+    @staticmethod
+    def bytes_per_slot(args: LlamaArgs, max_seq_len: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return args.num_layers * 2 * args.num_kv_heads * max_seq_len * args.head_dim * elem
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        seqs = batch.seqs
+        if batch.phase == Phase.DECODE:
+            tokens = torch.tensor([s.token_ids[-1] for s in seqs])
+            positions = torch.tensor([s.num_tokens - 1 for s in seqs])
+            return self.model.decode(tokens, positions, self.cache)
+        lengths = [s.num_tokens for s in seqs]
+        tokens = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : lengths[i]] = torch.tensor(s.token_ids)
+        slots = torch.tensor([s.slot for s in seqs])
+        return self.model.prefill(tokens, torch.tensor(lengths), slots, self.cache)
+
+    @torch.inference_mode()
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        # Whole rows are copied: positions past a sequence's length are masked, so no need to
+        # track lengths here, and one strided copy beats a per-length slice on this scale.
+        for src, dst in moves:
+            self.cache[:, :, dst].copy_(self.cache[:, :, src])
+
+    def load_weights(self, weights, strict: bool = True) -> None:
+        self.model.load_weights(weights, strict=strict)
+
+
+class HFModelRunner:
+    """Fallback: the transformers model recomputes each sequence from scratch every step."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        cfg = self.model.config
+        self.vocab_size = cfg.vocab_size
+        self.pad_id = 0
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        lengths = [s.num_tokens for s in batch.seqs]
+        width = max(lengths)
+        ids = torch.full((len(lengths), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(lengths), width), dtype=torch.long)
+        for i, s in enumerate(batch.seqs):  # left padding: every last token is in the last column
+            ids[i, width - lengths[i]:] = torch.tensor(s.token_ids)
+            attn[i, width - lengths[i]:] = 1
+        positions = (attn.cumsum(-1) - 1).clamp_min(0)
+        out = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False
+        )
+        return out.logits[:, -1].float()
+
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
+        pass  # no cache
+
+    @torch.inference_mode()
+    def load_weights(self, weights, strict: bool = True) -> None:
+        sd = dict(weights.items() if isinstance(weights, Mapping) else weights)
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(sd) - set(self.model.state_dict()))
+        if unknown:
+            raise ValueError(f"unknown weights for {type(self.model).__name__}: {unknown[:3]}")
+        missing = sorted(set(params) - set(sd))
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+        if strict and missing:
+            raise ValueError(f"{len(missing)} weights missing from the update, e.g. {missing[:3]}")
+        self.model.load_state_dict(sd, strict=False)
+
+
+def load_runner(
+    path: str | Path, backend: str, num_slots: int, max_seq_len: int, dtype: torch.dtype,
+    hf_config: Mapping, fast_matmuls: bool = True,
+) -> Runner:
+    """`backend`: "native" (compact model, error if unsupported), "hf", or "auto"."""
+    reason = unsupported_reason(hf_config)
+    if backend == "hf" or (backend == "auto" and reason):
+        return HFModelRunner(path, dtype)
+    if reason:
+        raise ValueError(f"backend='native' cannot run {str(path)!r}: {reason}; use backend='auto'")
+    args = LlamaArgs.from_hf_config(hf_config)
+    runner = ModelRunner(args, num_slots, max_seq_len, dtype, fast_matmuls)
+    runner.load_weights(iter_safetensors(path))
+    return runner

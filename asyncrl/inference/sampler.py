@@ -1,0 +1,105 @@
+"""Turns a batch of last-position logits into next tokens and the logprobs RL trains on.
+
+Logprob convention (AReaL / verl): the reported logprob of a token is
+`log_softmax(logits / temperature)[token]` over the full vocabulary, the number a trainer computes
+when it divides its logits by the same temperature. Everything that only decides *which* token is
+drawn leaves it unchanged: top-k and top-p truncation and the suppression of stop tokens before
+`min_new_tokens`. Greedy requests report temperature-1 logprobs of the argmax token.
+
+Sampling draws by the Gumbel-max trick (argmax of log p + Gumbel noise, i.e. the exponential race
+in log space): equal to a multinomial draw, batched, and cheaper than `torch.multinomial`. Requests
+with a seed draw their noise row from their own `torch.Generator`, so their output does not depend
+on what else is in the batch; the rest share the engine's generator in one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.inference.scheduler import Sequence
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def stop_ids(self, seq: Sequence) -> list[int]:
+        return [*self.eos_token_ids, *seq.gconfig.stop_token_ids]
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
+        """logits [n, V] fp32 for `seqs` in order -> one token and its logprob per sequence."""
+        gcs = [s.gconfig for s in seqs]
+        greedy = [g.greedy for g in gcs]
+        temps = [1.0 if g.greedy else g.temperature for g in gcs]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, dtype=logits.dtype)[:, None]
+        logprobs = torch.log_softmax(logits, -1)
+        filtered = self._truncate(self._suppress_stops(logprobs, seqs), gcs)
+        if all(greedy):
+            tokens = filtered.argmax(-1)
+        else:
+            tokens = self._race(filtered, seqs).argmax(-1)
+            if any(greedy):
+                tokens = torch.where(torch.tensor(greedy), filtered.argmax(-1), tokens)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        return SampleOutput(tokens.tolist(), chosen.tolist())
+
+    def _suppress_stops(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Stop tokens cannot be drawn before min_new_tokens (logprobs are reported unmasked)."""
+        rows, cols = [], []
+        for i, s in enumerate(seqs):
+            if s.num_outputs < s.gconfig.min_new_tokens:
+                ids = self.stop_ids(s)
+                rows += [i] * len(ids)
+                cols += ids
+        if not rows:
+            return logprobs
+        out = logprobs.clone()
+        out[rows, cols] = float("-inf")
+        return out
+
+    @staticmethod
+    def _truncate(logprobs: torch.Tensor, gcs) -> torch.Tensor:
+        """Top-k then top-p (HF order) as -inf outside the kept set; rows without either pass."""
+        vocab = logprobs.shape[-1]
+        top_k = [g.top_k if 0 < g.top_k < vocab else vocab for g in gcs]
+        top_p = [g.top_p for g in gcs]
+        if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+            return logprobs
+        sorted_lp, order = logprobs.sort(-1, descending=True)
+        rank = torch.arange(vocab)
+        drop = rank[None, :] >= torch.tensor(top_k)[:, None]
+        sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+        probs = sorted_lp.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it
+        # already does (the first token is always kept).
+        before = probs.cumsum(-1) - probs
+        # top_p == 1 must keep everything even when rounding pushes the cumsum past 1.
+        limit = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=probs.dtype)
+        drop |= before >= limit[:, None]
+        drop[:, 0] = False
+        keep = torch.zeros_like(drop).scatter_(1, order, ~drop)
+        return logprobs.masked_fill(~keep, float("-inf"))
+
+    def _race(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Scores whose argmax is a sample: log p + Gumbel noise, i.e. log(p / E), E ~ Exp(1)."""
+        u = torch.rand(logprobs.shape, generator=self.generator, dtype=logprobs.dtype)
+        for i, s in enumerate(seqs):
+            if s.gconfig.seed is None:
+                continue
+            if s.sampler_state is None:
+                s.sampler_state = torch.Generator().manual_seed(s.gconfig.seed)
+            u[i].uniform_(generator=s.sampler_state)
+        # u = 0 gives -inf noise (never drawn, probability 2^-24); u < 1 always, so no +inf and
+        # a filtered -inf logprob can never win or turn into NaN.
+        return logprobs - u.log_().neg_().log_()

@@ -1,0 +1,138 @@
+"""Throughput of the built-in engine vs transformers `generate` (and vLLM when importable).
+
+The same randomly initialised 6M-parameter Qwen2 (hidden 256, 8 layers, GQA 4/2, vocab 128) and
+the same random 32-token prompts go through both; every sequence generates exactly 64 new tokens
+(EOS ignored). Tokens/s counts generated tokens over wall time including prefill. The roofline
+column is the share of what the machine's measured fp32 matmul GFLOP/s would allow at
+2 * params FLOPs per generated token, so the numbers survive a noisy machine.
+
+    python benchmarks/bench_engine.py                      # batch 1, 16, 64, 256
+    python benchmarks/bench_engine.py --batch-sizes 64 --repeats 5 --greedy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import transformers
+
+from asyncrl.api import GenerationConfig, ModelRequest
+from asyncrl.inference import EngineConfig, LLMEngine
+
+
+def build_model(path: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=768, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def run_hf(model, prompts: torch.Tensor, new_tokens: int, greedy: bool) -> float:
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=not greedy, top_k=0, top_p=1.0,
+            pad_token_id=0,
+        )
+        elapsed = time.perf_counter() - t
+    if out.shape[1] != prompts.shape[1] + new_tokens:
+        raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
+    return prompts.shape[0] * new_tokens / elapsed
+
+
+def run_ours(engine: LLMEngine, prompts: torch.Tensor, new_tokens: int, greedy: bool) -> float:
+    gc = GenerationConfig(max_new_tokens=new_tokens, greedy=greedy)
+    reqs = [ModelRequest(p, gc) for p in prompts.tolist()]
+    t = time.perf_counter()
+    outs = engine.generate(reqs)
+    elapsed = time.perf_counter() - t
+    if any(len(o.output_tokens) != new_tokens for o in outs):
+        raise RuntimeError("engine did not generate the fixed number of tokens")
+    return len(reqs) * new_tokens / elapsed
+
+
+def run_vllm(path: str, prompts: torch.Tensor, new_tokens: int, greedy: bool) -> float | None:
+    try:
+        import vllm
+    except ImportError:
+        return None
+    llm = vllm.LLM(model=path, max_model_len=prompts.shape[1] + new_tokens, enforce_eager=True)
+    params = vllm.SamplingParams(
+        max_tokens=new_tokens, ignore_eos=True, temperature=0.0 if greedy else 1.0
+    )
+    token_prompts = [{"prompt_token_ids": p} for p in prompts.tolist()]
+    t = time.perf_counter()
+    llm.generate(token_prompts, params, use_tqdm=False)
+    return prompts.shape[0] * new_tokens / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="best of N (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of both engines (like for like)")
+    ap.add_argument("--greedy", action="store_true", help="greedy, not temperature-1 sampling")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    tmp = tempfile.mkdtemp(prefix="bench_engine_")
+    model = build_model(tmp).to(getattr(torch, args.dtype))
+    params = sum(p.numel() for p in model.parameters())
+    gflops = matmul_gflops()
+    roofline = gflops * 1e9 / (2 * params)
+    print(f"model: {params / 1e6:.2f}M params | threads {args.threads} | fp32 matmul "
+          f"{gflops:.0f} GFLOP/s -> roofline {roofline:,.0f} tok/s | {args.dtype} | "
+          f"{'greedy' if args.greedy else 'sampling T=1'} | load {os.getloadavg()[0]:.2f}")
+    print(f"{'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} {'roofline':>9} "
+          f"{'vLLM tok/s':>11}")
+    g = torch.Generator().manual_seed(1)
+    for bs in batch_sizes:
+        prompts = torch.randint(0, 128, (bs, args.prompt_len), generator=g)
+        engine = LLMEngine(EngineConfig(
+            model_path=tmp, max_num_seqs=bs, max_seq_len=args.prompt_len + args.new_tokens,
+            dtype=args.dtype, ignore_eos=True, max_prefill_tokens=max(8192, bs * args.prompt_len),
+        ))
+        hf_best = ours_best = 0.0
+        for rep in range(args.repeats + 1):  # interleaved, so drift hits both alike
+            if not args.skip_hf:
+                hf = run_hf(model, prompts, args.new_tokens, args.greedy)
+                hf_best = max(hf_best, hf) if rep else 0.0
+            ours = run_ours(engine, prompts, args.new_tokens, args.greedy)
+            ours_best = max(ours_best, ours) if rep else 0.0
+        vllm_tps = run_vllm(tmp, prompts, args.new_tokens, args.greedy)
+        ratio = f"{ours_best / hf_best:8.2f}" if hf_best else f"{'-':>8}"
+        vllm_s = f"{vllm_tps:11,.0f}" if vllm_tps else f"{'n/a':>11}"
+        hf_s = f"{hf_best:10,.0f}" if hf_best else f"{'-':>10}"
+        print(f"{bs:>5} {hf_s} {ours_best:11,.0f} {ratio} {ours_best / roofline:9.1%} {vllm_s}")
+        del engine
+
+
+if __name__ == "__main__":
+    main()
