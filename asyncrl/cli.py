@@ -34,6 +34,19 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import os
+
+    from asyncrl.launch.serve import serve, server_config_from_args
+
+    bad = [a for a in ns.overrides if "=" not in a]
+    if bad:
+        raise UserError(f"expected key.sub=value overrides, got {bad}")
+    api_key = ns.api_key or os.environ.get("ASYNCRL_SERVER_API_KEY")
+    serve(server_config_from_args(ns.model, ns.port, ns.host, api_key, ns.overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="optional YAML config, then dotted overrides like sft.steps=100")
     sft.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
     sft.set_defaults(func=cmd_sft)
+    srv = sub.add_parser("serve", help="serve a model with the built-in engine over HTTP")
+    srv.add_argument("--model", required=True, help="local HF model directory")
+    srv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--api-key", default=None,
+                     help="bearer token for control/weight endpoints (or ASYNCRL_SERVER_API_KEY)")
+    srv.add_argument("overrides", nargs="*", metavar="key=value",
+                     help="ServerConfig overrides, e.g. engine.max_num_seqs=128 engine.dtype=bfloat16")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,56 @@
+"""`asyncrl serve`: the built-in engine behind its HTTP server, in this process.
+
+With port 0 the OS picks a free port; the first stdout line then tells it
+("asyncrl serve: listening on http://HOST:PORT"), which is how launchers and tests find the server.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import uvicorn
+
+from asyncrl.inference.async_engine import AsyncLLMEngine
+from asyncrl.inference.engine import EngineConfig
+from asyncrl.inference.server import ServerConfig, create_app
+from asyncrl.models.loading import check_model_dir, load_tokenizer
+
+READY_PREFIX = "asyncrl serve: listening on "
+
+
+def build_server_app(cfg: ServerConfig):
+    model_dir = check_model_dir(cfg.engine.model_path)
+    tokenizer = load_tokenizer(model_dir)
+
+    def detokenize(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    engine = AsyncLLMEngine(cfg.engine, detokenize=detokenize)
+    return create_app(engine, tokenizer, cfg), engine
+
+
+def serve(cfg: ServerConfig) -> None:
+    app, engine = build_server_app(cfg)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    print(f"{READY_PREFIX}http://{host}:{port}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sys.stdout.flush()
+
+
+def server_config_from_args(model: str, port: int, host: str, api_key: str | None,
+                            overrides: list[str]) -> ServerConfig:
+    base = [f"engine.model_path={model}", f"port={port}", f"host={host}"]
+    if api_key:
+        base.append(f"api_key={api_key}")
+    return ServerConfig.load(None, base + overrides)
+
+
+__all__ = ["EngineConfig", "READY_PREFIX", "ServerConfig", "serve", "server_config_from_args"]
