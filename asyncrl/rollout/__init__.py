@@ -1,0 +1,1 @@
+"""Producer side of asynchronous RL: staleness control, the workflow executor, workflows."""
