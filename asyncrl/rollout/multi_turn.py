@@ -1,0 +1,94 @@
+"""Multi-turn answering with feedback: answer, get checked, read feedback, try again (k turns).
+
+One training sequence holds every turn: generated tokens are trained on (loss_mask 1, their
+versions), feedback tokens are not (mask 0, version -1). The feedback is rendered with the chat
+template right after the model's own end-of-turn token, so the sequence is token-for-token what
+the template would produce for the whole conversation (no retokenisation drift).
+
+Per-turn reward r_t = ((success_t - 0.5) * 2 - bias) * scale; earlier turns get the discounted
+return G_t = r_t + discount * G_(t+1). The sample's reward is G_0 and `token_rewards` carries r_t
+on the last generated token of turn t, for critics that want turn-level credit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+
+from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, Sample, Trajectory
+from asyncrl.api.trajectory import PROMPT_VERSION
+from asyncrl.config import Config
+from asyncrl.models.chat import encode_chat_prompt, render_chat
+from asyncrl.rollout.reward_call import RewardFn, call_reward
+
+
+class MultiTurnConfig(Config):
+    max_turns: int = pydantic.Field(3, ge=1)
+    turn_discount: float = pydantic.Field(0.9, ge=0.0, le=1.0)
+    reward_scaling: float = pydantic.Field(1.0, gt=0.0)
+    reward_bias: float = 0.0
+    correct_feedback: str = "Correct."
+    wrong_feedback: str = "Wrong, try again."
+
+
+def discounted_returns(rewards: list[float], discount: float) -> list[float]:
+    out = list(rewards)
+    for i in reversed(range(len(out) - 1)):
+        out[i] += discount * out[i + 1]
+    return out
+
+
+class MultiTurnWorkflow:
+    def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
+                 cfg: MultiTurnConfig | None = None) -> None:
+        self.reward_fn, self.tokenizer = reward_fn, tokenizer
+        self.cfg = cfg or MultiTurnConfig()
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.gconfig = gconfig.replace(
+            n_samples=1, stop_token_ids=sorted(set(gconfig.stop_token_ids) | set(eos)))
+
+    def feedback_ids(self, text: str) -> list[int]:
+        rendered = "\n" + render_chat(self.tokenizer, [{"role": "user", "content": text}])
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
+        ids = encode_chat_prompt(self.tokenizer, data["messages"])
+        mask, logps, vers = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
+        turn_rewards, turn_ends, texts, resp = [], [], [], None
+        for turn in range(self.cfg.max_turns):
+            resp = await engine.agenerate(ModelRequest(input_ids=list(ids), gconfig=self.gconfig))
+            ids += resp.output_tokens
+            mask += [1] * resp.output_len
+            logps += resp.output_logprobs
+            vers += resp.output_versions
+            turn_ends.append(len(ids) - 1)
+            text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+            texts.append(text)
+            success = await call_reward(self.reward_fn, text, data)
+            turn_rewards.append(((success - 0.5) * 2 - self.cfg.reward_bias)
+                                * self.cfg.reward_scaling)
+            if success >= 1.0 or turn == self.cfg.max_turns - 1:
+                break
+            fb = self.feedback_ids(self.cfg.wrong_feedback)
+            if len(ids) + len(fb) + self.gconfig.max_new_tokens > self._context_limit(engine):
+                break
+            ids += fb
+            mask += [0] * len(fb)
+            logps += [0.0] * len(fb)
+            vers += [PROMPT_VERSION] * len(fb)
+        returns = discounted_returns(turn_rewards, self.cfg.turn_discount)
+        token_rewards = [0.0] * len(ids)
+        for end, r in zip(turn_ends, turn_rewards):
+            token_rewards[end] = r
+        sample = Sample(ids, mask, logps, vers, reward=returns[0], token_rewards=token_rewards,
+                        stop_reason=resp.stop_reason,
+                        metadata={"turns": len(turn_rewards), "turn_rewards": turn_rewards,
+                                  "turn_returns": returns, "completion_text": texts[-1]})
+        return Trajectory([sample], group_id=str(data.get("id", "")))
+
+    @staticmethod
+    def _context_limit(engine: InferenceEngine) -> int:
+        # Engines that know their context length expose it; others are trusted to reject.
+        inner = getattr(engine, "engine", None)
+        return getattr(inner, "max_seq_len", None) or getattr(engine, "max_seq_len", 1 << 30)
