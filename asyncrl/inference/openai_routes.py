@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -54,133 +54,138 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def add_openai_routes(app: FastAPI, engine: Any, tokenizer: Any, cfg: Any, metrics: Any) -> None:
-    max_len = engine.engine.max_seq_len
+class OpenAIRoutes:
+    """Handlers of the OpenAI-compatible endpoints, bound to one engine and tokenizer."""
 
-    def budget(prompt_len: int, asked: int | None) -> int:
-        room = max_len - prompt_len
+    def __init__(self, engine: Any, tokenizer: Any, cfg: Any, metrics: Any) -> None:
+        self.engine, self.tokenizer, self.cfg, self.metrics = engine, tokenizer, cfg, metrics
+        self.max_len = engine.engine.max_seq_len
+
+    def register(self, app: FastAPI) -> None:
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat)
+
+    # ---- request building ------------------------------------------------------------------
+
+    def budget(self, prompt_len: int, asked: int | None) -> int:
+        """max_new_tokens for a prompt: what was asked, never silently cut to fit the context."""
+        cap, room = self.cfg.max_tokens_cap, self.max_len - prompt_len
         if asked is None:
-            asked = room if cfg.max_tokens_cap is None else min(room, cfg.max_tokens_cap)
-        elif cfg.max_tokens_cap is not None and asked > cfg.max_tokens_cap:
-            raise ValueError(f"max_tokens={asked} is out of range; allowed [1, {cfg.max_tokens_cap}]")
-        if asked < 1 or prompt_len + asked > max_len:
+            asked = room if cap is None else min(room, cap)
+        elif cap is not None and asked > cap:
+            raise ValueError(f"max_tokens={asked} is out of range; allowed [1, {cap}]")
+        if asked < 1 or prompt_len + asked > self.max_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({asked}) is out of "
-                             f"range; allowed <= context length {max_len}")
+                             f"range; allowed <= context length {self.max_len}")
         return asked
 
-    def requests(prompts: list[list[int]], body: Any, asked: int | None) -> list[ModelRequest]:
+    def requests(self, prompts: list[list[int]], body: Any, asked: int | None) -> list[ModelRequest]:
         out = []
         for ids in prompts:
             if not ids:
                 raise ValueError("prompt is empty: it needs at least one token")
-            g: GenerationConfig = body.gconfig(budget(len(ids), asked))
+            g: GenerationConfig = body.gconfig(self.budget(len(ids), asked))
             for i in range(body.n):
                 seed = None if g.seed is None else g.seed + i
                 out.append(ModelRequest(input_ids=ids, gconfig=g.replace(seed=seed)))
         return out
 
-    async def run_all(reqs: list[ModelRequest]) -> list[ModelResponse]:
+    async def run_all(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+        outs = await asyncio.gather(*(self.engine.agenerate(r) for r in reqs))
         for o in outs:
-            metrics.observe(o, time.perf_counter() - t0)
+            self.metrics.observe(o, time.perf_counter() - t0)
         return list(outs)
 
-    def usage(prompts: list[list[int]], outs: list[ModelResponse]) -> dict:
-        prompt, completion = sum(len(p) for p in prompts), sum(o.output_len for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+    def final_text(self, o: ModelResponse, stops: list[str]) -> str:
+        tracker = TextTracker(self.tokenizer, stops)
+        tracker.tokens = list(o.output_tokens)
+        return tracker.text()
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": cfg.model_name, "object": "model", "owned_by": "asyncrl",
-                "max_model_len": max_len}
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def models(self) -> dict:
+        card = {"id": self.cfg.model_name, "object": "model", "owned_by": "asyncrl",
+                "max_model_len": self.max_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        prompts = [p if isinstance(p, list) else tokenizer.encode(p, add_special_tokens=False)
+    async def completions(self, body: CompletionBody):
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=False)
                    for p in body.prompts()]
-        reqs = requests(prompts, body, body.max_tokens)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        reqs = self.requests(prompts, body, body.max_tokens)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.cfg.model_name}
         stops = reqs[0].gconfig.stop
-        if body.stream:
-            return StreamingResponse(
-                stream(reqs, stops, lambda i, text, tok, fin: {
-                    "id": cid, "object": "text_completion", "created": created,
-                    "model": cfg.model_name,
-                    "choices": [{"index": i, "text": text, "finish_reason": fin,
-                                 "logprobs": completion_logprobs(tok) if body.logprobs is not None
-                                 else None}]}),
-                media_type="text/event-stream")
-        outs = await run_all(reqs)
-        choices = []
-        for i, o in enumerate(outs):
-            tracker = TextTracker(tokenizer, stops)
-            tracker.tokens = list(o.output_tokens)
-            lp = completion_logprobs(o) if body.logprobs is not None else None
-            choices.append({"index": i, "text": tracker.text(), "logprobs": lp,
-                            "finish_reason": FINISH[o.stop_reason]})
-        return {"id": cid, "object": "text_completion", "created": created,
-                "model": cfg.model_name, "choices": choices, "usage": usage(prompts, outs)}
+        want_lp = body.logprobs is not None
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionBody):
+        def chunk(i: int, text: str, tok: Any, fin: str | None) -> dict:
+            lp = self.completion_logprobs(tok) if want_lp and tok is not None else None
+            return {**head, "choices": [{"index": i, "text": text, "finish_reason": fin,
+                                         "logprobs": lp}]}
+
+        if body.stream:
+            return StreamingResponse(self.stream(reqs, stops, chunk), media_type="text/event-stream")
+        outs = await self.run_all(reqs)
+        choices = [{"index": i, "text": self.final_text(o, stops),
+                    "logprobs": self.completion_logprobs(o) if want_lp else None,
+                    "finish_reason": FINISH[o.stop_reason]} for i, o in enumerate(outs)]
+        return {**head, "choices": choices, "usage": usage(prompts, outs)}
+
+    async def chat(self, body: ChatCompletionBody):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt = encode_chat_prompt(tokenizer, messages, tools=body.tools)
-        reqs = requests([prompt], body, body.requested_max_tokens())
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt = encode_chat_prompt(self.tokenizer, messages, tools=body.tools)
+        reqs = self.requests([prompt], body, body.requested_max_tokens())
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.cfg.model_name}
         stops = reqs[0].gconfig.stop
+
+        def chunk(i: int, text: str, tok: Any, fin: str | None) -> dict:
+            delta = {"role": "assistant", "content": text} if text or fin is None else {}
+            lp = {"content": self.chat_logprobs(tok)} if body.logprobs and tok else None
+            return {**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": fin}]}
+
         if body.stream:
-            def chunk(i, text, tok, fin):
-                delta = {"role": "assistant", "content": text} if text or fin is None else {}
-                lp = {"content": chat_logprobs(tok)} if body.logprobs and tok else None
-                return {"id": cid, "object": "chat.completion.chunk", "created": created,
-                        "model": cfg.model_name,
-                        "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                     "finish_reason": fin}]}
-            return StreamingResponse(stream(reqs, stops, chunk), media_type="text/event-stream")
-        outs = await run_all(reqs)
-        choices = []
-        for i, o in enumerate(outs):
-            tracker = TextTracker(tokenizer, stops)
-            tracker.tokens = list(o.output_tokens)
-            lp = {"content": chat_logprobs(o)} if body.logprobs else None
-            choices.append({"index": i, "message": {"role": "assistant", "content": tracker.text()},
-                            "logprobs": lp, "finish_reason": FINISH[o.stop_reason]})
-        return {"id": cid, "object": "chat.completion", "created": created,
-                "model": cfg.model_name, "choices": choices, "usage": usage([prompt], outs)}
+            return StreamingResponse(self.stream(reqs, stops, chunk), media_type="text/event-stream")
+        outs = await self.run_all(reqs)
+        choices = [{"index": i,
+                    "message": {"role": "assistant", "content": self.final_text(o, stops)},
+                    "logprobs": {"content": self.chat_logprobs(o)} if body.logprobs else None,
+                    "finish_reason": FINISH[o.stop_reason]} for i, o in enumerate(outs)]
+        return {**head, "object": "chat.completion", "choices": choices,
+                "usage": usage([prompt], outs)}
 
-    def token_strs(ids: list[int]) -> list[str]:
-        return [tokenizer.decode([t]) for t in ids]
+    # ---- formatting ------------------------------------------------------------------------
 
-    def completion_logprobs(o: Any) -> dict:
-        toks = token_strs(o.output_tokens)
-        offsets, pos = [], 0
-        for t in toks:
-            offsets.append(pos)
-            pos += len(t)
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
+
+    def completion_logprobs(self, o: Any) -> dict:
+        toks = self.token_strs(o.output_tokens)
+        offsets = [sum(len(t) for t in toks[:i]) for i in range(len(toks))]
         return {"tokens": toks, "token_logprobs": list(o.output_logprobs),
                 "top_logprobs": [{t: lp} for t, lp in zip(toks, o.output_logprobs)],
                 "text_offset": offsets}
 
-    def chat_logprobs(o: Any) -> list[dict]:
+    def chat_logprobs(self, o: Any) -> list[dict]:
         return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(token_strs(o.output_tokens), o.output_logprobs)]
+                for t, lp in zip(self.token_strs(o.output_tokens), o.output_logprobs)]
 
-    async def stream(reqs: list[ModelRequest], stops: list[str], make) -> AsyncIterator[str]:
+    async def stream(self, reqs: list[ModelRequest], stops: list[str],
+                     make: Callable[[int, str, Any, str | None], dict]) -> AsyncIterator[str]:
         """Interleave the choices' token streams into one SSE stream, then `[DONE]`."""
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, req: ModelRequest) -> None:
             try:
-                async for item in engine.agenerate_stream(req):
+                async for item in self.engine.agenerate_stream(req):
                     await events.put((i, item))
-            except Exception as err:  # boundary: the client gets an error event, others go on
+            except Exception as err:  # boundary: this choice reports an error, others go on
                 await events.put((i, err))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-        trackers = [TextTracker(tokenizer, stops) for _ in reqs]
+        trackers = [TextTracker(self.tokenizer, stops) for _ in reqs]
         pending = len(reqs)
         try:
             while pending:
@@ -190,15 +195,25 @@ def add_openai_routes(app: FastAPI, engine: Any, tokenizer: Any, cfg: Any, metri
                     yield sse({"error": {"message": str(item), "type": "server_error"}})
                     continue
                 final = isinstance(item, ModelResponse)
-                text = trackers[i].delta(item.output_tokens if not final else
-                                         item.output_tokens[len(trackers[i].tokens):], final)
+                new = item.output_tokens[len(trackers[i].tokens):] if final else item.output_tokens
+                text = trackers[i].delta(new, final)
                 if text or not final:
-                    yield sse(make(i, text, item if not final else None, None))
+                    yield sse(make(i, text, None if final else item, None))
                 if final:
                     pending -= 1
-                    metrics.observe(item, item.latency)
+                    self.metrics.observe(item, item.latency)
                     yield sse(make(i, "", None, FINISH[item.stop_reason]))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
                 t.cancel()
+
+
+def usage(prompts: list[list[int]], outs: list[ModelResponse]) -> dict:
+    prompt, completion = sum(len(p) for p in prompts), sum(o.output_len for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def add_openai_routes(app: FastAPI, engine: Any, tokenizer: Any, cfg: Any, metrics: Any) -> None:
+    OpenAIRoutes(engine, tokenizer, cfg, metrics).register(app)

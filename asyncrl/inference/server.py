@@ -86,7 +86,6 @@ class BodyTooLarge(Exception):
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="asyncrl inference server")
     metrics = EngineMetrics(engine)
-    staging = WeightStaging()
 
     def require_key(authorization: str | None = Header(None)) -> None:
         if cfg.api_key is None:
@@ -134,27 +133,38 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> Fas
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
-    @app.post("/pause", dependencies=[Depends(require_key)])
+    add_control_routes(app, engine, Depends(require_key))
+    add_openai_routes(app, engine, tokenizer, cfg, metrics)
+    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes,
+                       weights_limit=cfg.max_weight_bucket_bytes)
+    return app
+
+
+def add_control_routes(app: FastAPI, engine: AsyncLLMEngine, auth: Any) -> None:
+    """Pause/resume/abort and weight updates: the endpoints that change the server's state."""
+    staging = WeightStaging()
+
+    @app.post("/pause", dependencies=[auth])
     async def pause() -> dict:
         await asyncio.to_thread(engine.pause)
         return {"paused": True, "version": engine.get_version()}
 
-    @app.post("/resume", dependencies=[Depends(require_key)])
+    @app.post("/resume", dependencies=[auth])
     async def resume() -> dict:
         await asyncio.to_thread(engine.resume)
         return {"paused": False, "version": engine.get_version()}
 
-    @app.post("/abort", dependencies=[Depends(require_key)])
+    @app.post("/abort", dependencies=[auth])
     async def abort(body: AbortBody | None = None) -> dict:
         n = await asyncio.to_thread(engine.abort, body.rid if body else None)
         return {"aborted": n}
 
-    @app.post("/update_weights", dependencies=[Depends(require_key)])
+    @app.post("/update_weights", dependencies=[auth])
     async def update_from_disk(body: DiskWeightsBody) -> dict:
         await engine.update_weights(WeightUpdateMeta.from_disk(body.path, body.version))
         return {"version": engine.get_version()}
 
-    @app.post(WEIGHTS_PATH, dependencies=[Depends(require_key)])
+    @app.post(WEIGHTS_PATH, dependencies=[auth])
     async def update_from_bucket(
         request: Request, version: int = Query(ge=0), bucket: int = Query(ge=0),
         last: bool = Query(False),
@@ -166,11 +176,6 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> Fas
         meta = WeightUpdateMeta(kind=WeightUpdateKind.TENSORS, version=new_version)
         await engine.update_weights(meta, state_dict=tensors)
         return {"staged_tensors": staged, "version": engine.get_version()}
-
-    add_openai_routes(app, engine, tokenizer, cfg, metrics)
-    app.add_middleware(BodyLimit, limit=cfg.max_body_bytes,
-                       weights_limit=cfg.max_weight_bucket_bytes)
-    return app
 
 
 def rid_kwargs(rid: str | None) -> dict[str, str]:
