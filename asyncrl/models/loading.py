@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from asyncrl.config import Config
 from asyncrl.errors import UserError
+from asyncrl.models.hf_quiet import quiet_hf_progress
 from asyncrl.models.tiny import DTYPES, TinyModelConfig, build_tiny_model
 
 # Part of the cache key: bump when the builder's output changes for the same config (tokenizer,
@@ -78,9 +79,10 @@ def load_causal_lm(path: str | Path, dtype: str = "float32",
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     p = check_model_dir(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            p, dtype=DTYPES[dtype], local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        with quiet_hf_progress():
+            model = AutoModelForCausalLM.from_pretrained(
+                p, dtype=DTYPES[dtype], local_files_only=True, trust_remote_code=trust_remote_code
+            )
     except OSError as err:  # e.g. config.json present but no weight files
         raise ModelLoadError(f"model dir {p}: cannot load model weights: {err}") from err
     return model.eval()

@@ -27,9 +27,9 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
-from transformers.utils import logging as hf_logging
 
 from asyncrl.config import Config
+from asyncrl.models.hf_quiet import quiet_hf_progress
 from asyncrl.models.tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -127,14 +127,8 @@ def save_model_dir(model: PreTrainedModel, tokenizer: Any, out_dir: str | Path) 
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # transformers' shard-writing bar is noise between our own progress lines.
-    bars_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with quiet_hf_progress():
         model.save_pretrained(out, safe_serialization=True)
-    finally:
-        if bars_on:
-            hf_logging.enable_progress_bar()
     config_file = out / "config.json"
     config = json.loads(config_file.read_text())
     config.setdefault("torch_dtype", config.get("dtype"))
