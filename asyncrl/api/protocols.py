@@ -6,12 +6,12 @@ test double are interchangeable without sharing a base class.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat, runtime_checkable
 
 from asyncrl.api.generation import ModelRequest, ModelResponse
-from asyncrl.api.trajectory import Trajectory
+from asyncrl.api.trajectory import Sample, Trajectory
 from asyncrl.api.weights import WeightUpdateMeta
 
 if TYPE_CHECKING:  # keep `import asyncrl.api` free of torch and gymnasium
@@ -43,11 +43,12 @@ LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 class TrainEngine(Protocol):
     """Owns a trainable model (policy, reference or critic) and its optimizer."""
 
-    def train_batch(self, batch: Mapping[str, Any], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over `batch` (split into micro-batches internally)."""
+    def train_batch(self, samples: list[Sample], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over `samples` (packed into micro-batches internally); `loss_fn`
+        gets per-token logprobs, the micro-batch tensors and the global token normaliser."""
 
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Per-token logprobs (or values, for a critic) of `batch`, without gradients."""
+    def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Per-token logprobs of each sample (proximal / reference policy), without gradients."""
 
     def get_version(self) -> int: ...
 

@@ -1,0 +1,264 @@
+"""The train engine: a HF causal LM, its optimizer, and packed micro-batched steps.
+
+`HFTrainEngine` implements the `TrainEngine` protocol on one process; `fsdp.FSDPTrainEngine` is
+the same class with the model sharded and a few collectives filled in (the `_dist_*` hooks).
+
+One step (`train_batch`) = pack the samples into micro-batches under a token budget, compute the
+GLOBAL loss-token count once (all micro-batches, all ranks), run forward + backward per
+micro-batch with that count as the loss normaliser, then clip, step the optimizer and the LR
+schedule. Because every micro-batch divides by the same global count, the accumulated gradient is
+exactly the gradient of one big batch, whatever the budget or the number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import torch
+
+from asyncrl.api.trajectory import Sample
+from asyncrl.config import Config
+from asyncrl.train.logprobs import gather_logprobs
+from asyncrl.train.losses import sft_loss
+from asyncrl.train.optim import OptimizerConfig, build_optimizer
+from asyncrl.train.packing import (
+    PackedMicroBatch,
+    balanced_partition,
+    first_fit_decreasing,
+    next_token_logprobs_aligned,
+    pack_samples,
+    unpack,
+)
+
+# loss_fn(logprobs [N] with grad, micro-batch tensors {name: [N]}, normalizer) -> (loss, stats)
+MicroBatchLossFn = Callable[
+    [torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"
+]
+TokenData = Mapping[str, Sequence[Sequence[float]]]
+
+
+class TrainEngineConfig(Config):
+    max_tokens_per_mb: int = pydantic.Field(4096, ge=1)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    total_steps: int = pydantic.Field(1000, ge=1, description="horizon of the LR schedule")
+    # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype.
+    autocast_dtype: Literal["none", "bfloat16"] = "none"
+    gradient_checkpointing: bool = False
+    # Must equal the sampling temperature, or the importance ratio of an unchanged policy != 1.
+    temperature: float = pydantic.Field(1.0, gt=0.0)
+    # False: forward-only engine (reference model), no optimizer state is allocated.
+    trainable: bool = True
+    device: str | None = pydantic.Field(None, description="None = cuda if available, else cpu")
+
+
+def sft_token_loss(
+    logprobs: torch.Tensor, tensors: Mapping[str, torch.Tensor], normalizer: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Cross-entropy on loss_mask tokens, in the micro-batch loss_fn signature."""
+    return sft_loss(logprobs, tensors["loss_mask"], normalizer)
+
+
+class HFTrainEngine:
+    """Owns a causal LM (policy or reference) and, when trainable, its AdamW + LR schedule."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainEngineConfig | None = None) -> None:
+        self.cfg = cfg or TrainEngineConfig()
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(self.cfg.device or default)
+        if self.cfg.gradient_checkpointing:
+            # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.model = self._prepare_model(model)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        if self.cfg.trainable:
+            self.optimizer, self.scheduler = build_optimizer(
+                self.model.parameters(), self.cfg.optimizer, self.cfg.total_steps
+            )
+        else:
+            self.model.requires_grad_(False)
+        self.step = 0  # optimizer steps taken; drives the LR schedule and checkpoint names
+        self._version = 0
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, cfg: TrainEngineConfig | None = None, dtype: str = "float32"
+    ) -> HFTrainEngine:
+        from asyncrl.models.loading import load_causal_lm
+
+        return cls(load_causal_lm(path, dtype=dtype), cfg)
+
+    # --- hooks a distributed subclass overrides -------------------------------------------
+    world_size = 1
+    rank = 0
+
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.device)
+
+    def _dist_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _dist_max(self, x: int) -> int:
+        return x
+
+    def _local_indices(self, samples: Sequence[Sample]) -> list[int]:
+        """Which of `samples` this rank trains on (all of them on one process)."""
+        return list(range(len(samples)))
+
+    def _gather_outputs(self, local: dict[int, torch.Tensor], n: int) -> list[torch.Tensor]:
+        return [local[i] for i in range(n)]
+
+    def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """Sum each rank's token-weighted stat contributions."""
+        return stats
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # --- TrainEngine protocol ---------------------------------------------------------------
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        if version < 0:
+            raise ValueError(f"version={version} is out of range; allowed [0, inf)")
+        self._version = version
+
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+        from asyncrl.train.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, extra_state)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore a `save` directory; returns its extra_state."""
+        from asyncrl.train.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights; on one process simply the model's state dict."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(dict(state), strict=False)
+
+    def optimizer_state_dict(self) -> dict[str, Any] | None:
+        return self.optimizer.state_dict() if self.optimizer is not None else None
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            raise ValueError("checkpoint has optimizer state but this engine is forward-only "
+                             "(trainable=False)")
+        self.optimizer.load_state_dict(state)
+
+    # --- compute ----------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.autocast_dtype == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def packed_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
+        """Input-aligned logprobs [N] of one packed micro-batch (grad follows the caller's mode)."""
+        mb = mb.to(self.device)
+        with self._autocast():
+            # No attention_mask and no cache: transformers then reads sample boundaries off the
+            # restarting position_ids and builds a block-diagonal causal mask.
+            out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+        logits = out.logits[0]
+        labels = torch.roll(mb.input_ids[0], -1)
+        nxt = gather_logprobs(logits, labels, self.cfg.temperature)
+        return next_token_logprobs_aligned(nxt, mb)
+
+    def _plan(
+        self, samples: Sequence[Sample], token_data: TokenData | None
+    ) -> tuple[list[PackedMicroBatch], int]:
+        """This rank's micro-batches and the count every rank runs (for lock-step collectives)."""
+        local = self._local_indices(samples)
+        lengths = [len(samples[i].input_ids) for i in local]
+        n_local = len(first_fit_decreasing(lengths, self.cfg.max_tokens_per_mb)) if local else 0
+        count = max(1, self._dist_max(n_local))
+        groups = balanced_partition(lengths, count) if local else [[] for _ in range(count)]
+        mbs = [pack_samples(samples, [local[j] for j in g], token_data) for g in groups if g]
+        return mbs, count
+
+    def _dummy_micro_batch(self) -> PackedMicroBatch:
+        """One token, zero loss: keeps a rank with less data in step with the others' collectives."""
+        dummy = Sample(input_ids=[0], loss_mask=[0], logprobs=[0.0], versions=[-1])
+        return pack_samples([dummy], [0])
+
+    @torch.no_grad()
+    def forward(
+        self, samples: Sequence[Sample], token_data: TokenData | None = None
+    ) -> list[torch.Tensor]:
+        """Per-sample input-aligned logprobs (float32, cpu): index t = log p(input_ids[t] | prefix),
+        0 at t = 0. For proximal and reference logprobs; no gradients."""
+        self.model.eval()
+        mbs, count = self._plan(samples, None)
+        local: dict[int, torch.Tensor] = {}
+        for k in range(count):
+            mb = mbs[k] if k < len(mbs) else self._dummy_micro_batch()
+            values = self.packed_logprobs(mb).float().cpu()
+            if k < len(mbs):
+                local.update(zip(mb.sample_index, unpack(values, mb)))
+        return self._gather_outputs(local, len(samples))
+
+    def train_batch(
+        self,
+        samples: Sequence[Sample],
+        loss_fn: MicroBatchLossFn,
+        token_data: TokenData | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over `samples`; `token_data` adds input-aligned per-token fields
+        (advantages, proximal_logprobs, ...) to the tensors `loss_fn` receives."""
+        if self.optimizer is None:
+            raise ValueError("train_batch on a forward-only engine (trainable=False); "
+                             "set trainable=True to train this model")
+        if not samples:
+            raise ValueError("train_batch needs at least one sample; got an empty batch")
+        self.model.train()
+        mbs, count = self._plan(samples, token_data)
+        local_tokens = sum(mb.tensors["loss_mask"].sum() for mb in mbs) if mbs else torch.tensor(0)
+        normalizer = self._dist_sum(torch.as_tensor(local_tokens, dtype=torch.float32,
+                                                    device=self.device)).clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss = torch.zeros((), device=self.device)
+        weighted: dict[str, float] = {}
+        for k in range(count):
+            if k >= len(mbs):
+                self.packed_logprobs(self._dummy_micro_batch()).sum().mul(0.0).backward()
+                continue
+            mb = mbs[k].to(self.device)
+            loss, stats = loss_fn(self.packed_logprobs(mb), mb.tensors, normalizer)
+            loss.backward()
+            total_loss += loss.detach()
+            w = float(mb.tensors["loss_mask"].sum()) / float(normalizer)
+            for name, value in stats.items():
+                weighted[name] = weighted.get(name, 0.0) + w * value
+        return self._finish_step(total_loss, weighted, normalizer, count)
+
+    def _finish_step(
+        self, total_loss: torch.Tensor, stats: dict[str, float], normalizer: torch.Tensor, n_mb: int
+    ) -> dict[str, float]:
+        """Clip, step optimizer and schedule, bump step/version; token-weighted stats out."""
+        stats = self._reduce_stats(stats)
+        clip = self.cfg.optimizer.grad_clip
+        if clip is not None:
+            stats["train/grad_norm"] = self._clip_grad_norm(clip)
+        stats["train/lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self._version += 1
+        stats["train/loss"] = float(self._dist_sum(total_loss))
+        stats["train/loss_tokens"] = float(normalizer)
+        stats["train/micro_batches"] = float(n_mb)
+        return stats

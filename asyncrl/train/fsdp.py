@@ -1,0 +1,132 @@
+"""The train engine under data parallelism with FSDP2 (`fully_shard`), launched by torchrun.
+
+Each decoder layer and the root module are sharded, so a rank holds 1/world of the weights,
+gradients and Adam state; gloo on CPU, NCCL on CUDA. The batch is split across ranks balanced by
+tokens, the loss normaliser is the all-reduced loss-token count, and gradients are SUMMED across
+ranks (divide factor 1): with every micro-batch already divided by the global count, the sum is
+the one-big-batch gradient, so one step on N ranks equals one step on one process.
+
+FSDP runs collectives inside every forward and backward, so all ranks must run the same number of
+micro-batches; `HFTrainEngine._plan` agrees on the maximum and a rank with less data runs
+zero-loss dummy micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from asyncrl.api.trajectory import Sample
+from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
+from asyncrl.train.packing import balanced_partition
+
+
+def init_distributed() -> None:
+    """Join the torchrun process group (env:// rendezvous) unless already joined."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a HF causal LM (Llama/Qwen2 layout: model.model.layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no model.layers; FSDP wrapping needs the "
+                         "decoder blocks of a Llama/Qwen2-style causal LM")
+    return list(layers)
+
+
+class FSDPTrainEngine(HFTrainEngine):
+    """`HFTrainEngine` with FSDP2-sharded weights; every rank calls every method."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainEngineConfig | None = None) -> None:
+        init_distributed()
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        super().__init__(model, cfg)
+
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # root: embeddings, final norm, (tied) lm_head
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # Sum, not average: losses are already divided by the global token count.
+                module.set_gradient_divide_factor(1.0)
+                # Plain SUM collectives: gloo has no PREMUL_SUM, and 1.0 needs no scaling anyway.
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def _dist_sum(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+    def _dist_max(self, x: int) -> int:
+        t = torch.tensor([x], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _local_indices(self, samples: list[Sample]) -> list[int]:
+        parts = balanced_partition([len(s.input_ids) for s in samples], self.world_size)
+        return parts[self.rank]
+
+    def _gather_outputs(self, local: dict[int, torch.Tensor], n: int) -> list[torch.Tensor]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        merged = {k: v for part in gathered for k, v in part.items()}
+        return [merged[i] for i in range(n)]
+
+    def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, stats)
+        out: dict[str, float] = {}
+        for part in gathered:
+            for k, v in part.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on CPU, gathered on rank 0 (empty dict elsewhere); all ranks must call."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.full_state_dict()
+
+    def load_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Full weights present on rank 0 are broadcast and re-sharded."""
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(self.model, dict(state), options=opts)
+
+    def optimizer_state_dict(self) -> dict[str, Any] | None:
+        """Full (unsharded) optimizer state on rank 0; all ranks must call."""
+        if self.optimizer is None:
+            return None
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=opts)

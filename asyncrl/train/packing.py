@@ -1,0 +1,204 @@
+"""Sequence packing: samples -> padding-free micro-batches under a token budget.
+
+A micro-batch is the concatenation of whole samples into one row [1, N] with `position_ids`
+restarting at 0 for each sample. transformers builds a block-diagonal causal mask from restarting
+position ids when no attention mask and no KV cache are given (sdpa/eager on CPU; flash-attention
+derives `cu_seqlens` from the same ids on GPU), so no token attends across a sample boundary and
+no FLOPs go to padding. Per-token tensors here use the *input-aligned* convention of `Sample`:
+index t describes token t (its loss_mask, its behaviour logprob), and the model's logprob of token
+t comes from the logits at t - 1; the first token of every sample has no prediction (logprob 0,
+loss_mask forced to 0), so nothing is ever predicted across a boundary.
+
+Samples are assigned to micro-batches longest first (first-fit decreasing for the count, then
+least-loaded placement for balance) and each micro-batch records which sample and which slice
+each token came from, so per-token outputs scatter back to samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.api.trajectory import Sample
+
+
+@dataclass
+class PackedMicroBatch:
+    """Samples concatenated into one row; `tensors` holds input-aligned per-token fields [N]."""
+
+    input_ids: torch.Tensor  # [1, N]
+    position_ids: torch.Tensor  # [1, N]
+    cu_seqlens: torch.Tensor  # [k + 1] int32 offsets of the k samples in the row
+    sample_index: list[int]  # position in the caller's list of each packed sample
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def seq_starts(self) -> torch.Tensor:
+        """Bool [N]: True at the first token of each sample."""
+        starts = torch.zeros(self.num_tokens, dtype=torch.bool)
+        starts[self.cu_seqlens[:-1].long()] = True
+        return starts
+
+    def to(self, device: torch.device | str) -> PackedMicroBatch:
+        return PackedMicroBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.cu_seqlens.to(device),
+            list(self.sample_index),
+            {k: v.to(device) for k, v in self.tensors.items()},
+        )
+
+
+def _check_budget(max_tokens: int) -> None:
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_mb={max_tokens} is out of range; allowed [1, inf)")
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into bins of total length <= capacity, longest first.
+
+    A single item longer than `capacity` gets a bin of its own: splitting a sequence would cut
+    its attention context, so it is better to exceed the budget than to change the math.
+    """
+    _check_budget(capacity)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        slot = next((b for b, load in enumerate(loads) if load + lengths[i] <= capacity), None)
+        if slot is None:
+            bins.append([])
+            loads.append(0)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        loads[slot] += lengths[i]
+    return bins
+
+
+def balanced_partition(lengths: Sequence[int], num_parts: int) -> list[list[int]]:
+    """Indices split into exactly `num_parts` groups of near-equal total length (LPT greedy).
+
+    Used to give data-parallel ranks equal work and to spread a batch over a fixed number of
+    micro-batches; groups may be empty when there are fewer items than parts.
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts={num_parts} is out of range; allowed [1, inf)")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    loads = [0] * num_parts
+    for i in order:
+        p = min(range(num_parts), key=lambda j: (loads[j], j))
+        parts[p].append(i)
+        loads[p] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens: int, min_count: int = 1
+) -> list[list[int]]:
+    """Groups of indices, one per micro-batch: as few as the budget allows (but >= min_count,
+    so data-parallel ranks can agree on a common count), balanced by tokens."""
+    ffd = first_fit_decreasing(lengths, max_tokens)
+    count = max(min_count, len(ffd))
+    groups = balanced_partition(lengths, count)
+    overflow = any(len(g) > 1 and sum(lengths[i] for i in g) > max_tokens for g in groups)
+    if overflow and count == len(ffd):
+        # Least-loaded placement can overflow where FFD packed tightly; FFD's bins always fit.
+        groups = [sorted(g) for g in ffd]
+    return groups
+
+
+def _sample_fields(s: Sample) -> dict[str, list[float]]:
+    mask = list(s.loss_mask)
+    if mask:
+        mask[0] = 0  # the first token has no prefix to predict it from
+    return {"loss_mask": mask, "behaviour_logprobs": s.logprobs, "versions": s.versions}
+
+
+def pack_samples(
+    samples: Sequence[Sample],
+    indices: Sequence[int],
+    token_data: Mapping[str, Sequence[Sequence[float]]] | None = None,
+) -> PackedMicroBatch:
+    """Pack `samples[i] for i in indices` into one row.
+
+    `token_data` maps a name to one input-aligned list per sample in `samples` (advantages,
+    proximal or reference logprobs, ...); it is packed alongside as float32 tensors [N].
+    Always present: loss_mask [N] (bool), behaviour_logprobs [N], versions [N] (long),
+    seq_id [N] (long, 0..k-1 within this micro-batch).
+    """
+    if not indices:
+        raise ValueError("pack_samples needs at least one sample index; got none")
+    ids: list[int] = []
+    pos: list[int] = []
+    offsets = [0]
+    cols: dict[str, list[float]] = {"loss_mask": [], "behaviour_logprobs": [], "versions": []}
+    extra = {k: [] for k in (token_data or {})}
+    seq_id: list[int] = []
+    for j, i in enumerate(indices):
+        s = samples[i]
+        n = len(s.input_ids)
+        if n == 0:
+            raise ValueError(f"samples[{i}] has no tokens; len(input_ids)=0, allowed [1, inf)")
+        ids += s.input_ids
+        pos += range(n)
+        offsets.append(offsets[-1] + n)
+        seq_id += [j] * n
+        for k, v in _sample_fields(s).items():
+            cols[k] += v
+        for k, per_sample in (token_data or {}).items():
+            if len(per_sample[i]) != n:
+                raise ValueError(f"token_data[{k!r}][{i}] has {len(per_sample[i])} entries; "
+                                 f"must equal len(samples[{i}].input_ids)={n}")
+            extra[k] += per_sample[i]
+    tensors = {
+        "loss_mask": torch.tensor(cols["loss_mask"], dtype=torch.bool),
+        "behaviour_logprobs": torch.tensor(cols["behaviour_logprobs"], dtype=torch.float32),
+        "versions": torch.tensor(cols["versions"], dtype=torch.long),
+        "seq_id": torch.tensor(seq_id, dtype=torch.long),
+    }
+    tensors.update({k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items()})
+    return PackedMicroBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
+        position_ids=torch.tensor(pos, dtype=torch.long).unsqueeze(0),
+        cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
+        sample_index=list(indices),
+        tensors=tensors,
+    )
+
+
+def build_micro_batches(
+    samples: Sequence[Sample],
+    max_tokens: int,
+    token_data: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    min_count: int = 1,
+) -> list[PackedMicroBatch]:
+    """All of `samples` as packed micro-batches of at most `max_tokens` tokens each (see
+    `plan_micro_batches`); empty groups (fewer samples than `min_count`) are left out."""
+    groups = plan_micro_batches([len(s.input_ids) for s in samples], max_tokens, min_count)
+    return [pack_samples(samples, g, token_data) for g in groups if g]
+
+
+def next_token_logprobs_aligned(
+    token_logprobs_next: torch.Tensor, mb: PackedMicroBatch
+) -> torch.Tensor:
+    """[N] logprob of token t+1 at position t -> [N] input-aligned (logprob of token t at t).
+
+    The shift moves each value one place right; sample starts get 0, which also discards the
+    value that would have predicted a sample's first token from the previous sample's last.
+    """
+    aligned = torch.roll(token_logprobs_next, 1, dims=-1)
+    starts = mb.seq_starts.to(aligned.device)
+    return torch.where(starts, torch.zeros_like(aligned), aligned)
+
+
+def unpack(values: torch.Tensor, mb: PackedMicroBatch) -> list[torch.Tensor]:
+    """[N] per-token values -> one tensor per packed sample, in `mb.sample_index` order."""
+    bounds = mb.cu_seqlens.tolist()
+    return [values[bounds[j]:bounds[j + 1]] for j in range(len(mb.sample_index))]

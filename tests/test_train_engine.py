@@ -1,0 +1,253 @@
+"""Packing and the single-process train engine on a tiny CPU model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncrl.api.protocols import TrainEngine
+from asyncrl.api.trajectory import Sample
+from asyncrl.config import ConfigError
+from asyncrl.models.loading import load_causal_lm
+from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
+from asyncrl.train.logprobs import gather_logprobs
+from asyncrl.train.optim import OptimizerConfig
+from asyncrl.train.packing import (
+    balanced_partition,
+    build_micro_batches,
+    first_fit_decreasing,
+    pack_samples,
+    plan_micro_batches,
+    unpack,
+)
+
+TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                       intermediate_size=128)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core box intra-op threads
+    spin against each other (measured 200x slower steps); restore for other test files."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(TINY, tmp_path_factory.mktemp("tiny"))
+
+
+def make_samples(lengths, seed=0, vocab=60):
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        p = max(1, n // 3)
+        out.append(Sample.from_prompt_and_completion(
+            [rng.randrange(3, vocab) for _ in range(p)],
+            [rng.randrange(3, vocab) for _ in range(n - p)],
+            [-1.0] * (n - p), [0] * (n - p)))
+    return out
+
+
+def reference_logprobs(model, s: Sample) -> torch.Tensor:
+    """Unpadded single-sequence logprobs, input-aligned (0 for the first token)."""
+    ids = torch.tensor([s.input_ids])
+    logits = model(input_ids=ids, use_cache=False).logits[0]
+    lp = gather_logprobs(logits[:-1], ids[0, 1:])
+    return torch.cat([torch.zeros(1), lp])
+
+
+def padded_logprobs(model, samples) -> list[torch.Tensor]:
+    """Right-padded batch with an attention mask: the layout packing replaces."""
+    width = max(len(s.input_ids) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        ids[i, :len(s.input_ids)] = torch.tensor(s.input_ids)
+        attn[i, :len(s.input_ids)] = 1
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    lp = gather_logprobs(logits[:, :-1], ids[:, 1:])
+    lp = torch.cat([torch.zeros(len(samples), 1), lp], dim=1)
+    return [lp[i, :len(s.input_ids)] for i, s in enumerate(samples)]
+
+
+# --- packing -----------------------------------------------------------------------------
+
+def test_first_fit_decreasing_respects_budget_and_keeps_long_items_alone():
+    lengths = [5, 9, 3, 7, 2, 20]
+    bins = first_fit_decreasing(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    for b in bins:
+        assert len(b) == 1 or sum(lengths[i] for i in b) <= 10
+    assert [5] in bins  # 20 > budget: its own bin, never split
+    with pytest.raises(ValueError, match="max_tokens_per_mb=0"):
+        first_fit_decreasing(lengths, 0)
+
+
+def test_balanced_partition_and_plan():
+    lengths = [8, 7, 6, 5, 4, 3, 2, 1]
+    parts = balanced_partition(lengths, 2)
+    assert [sum(lengths[i] for i in p) for p in parts] == [18, 18]
+    assert balanced_partition([3], 3)[1:] == [[], []]
+    groups = plan_micro_batches(lengths, 12, min_count=4)
+    assert len(groups) == 4 and all(sum(lengths[i] for i in g) <= 12 for g in groups)
+
+
+def test_pack_samples_layout_and_unpack_roundtrip():
+    samples = make_samples([4, 3, 5])
+    adv = [[float(10 * i + t) for t in range(len(s.input_ids))] for i, s in enumerate(samples)]
+    mb = pack_samples(samples, [2, 0], {"advantages": adv})
+    assert mb.input_ids[0].tolist() == samples[2].input_ids + samples[0].input_ids
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert mb.cu_seqlens.tolist() == [0, 5, 9]
+    assert mb.tensors["seq_id"].tolist() == [0] * 5 + [1] * 4
+    assert not mb.tensors["loss_mask"][[0, 5]].any()  # sample starts never carry loss
+    back = unpack(mb.tensors["advantages"], mb)
+    assert back[0].tolist() == adv[2] and back[1].tolist() == adv[0]
+    with pytest.raises(ValueError, match="token_data"):
+        pack_samples(samples, [0], {"advantages": [[0.0]] * 3})
+
+
+def test_micro_batches_cover_every_sample_once():
+    samples = make_samples([9, 4, 7, 3, 8, 2, 6])
+    mbs = build_micro_batches(samples, 12)
+    seen = sorted(i for mb in mbs for i in mb.sample_index)
+    assert seen == list(range(len(samples)))
+    assert all(mb.num_tokens <= 12 for mb in mbs)
+
+
+# --- engine ------------------------------------------------------------------------------
+
+def engine(model_dir, **kw) -> HFTrainEngine:
+    opt = kw.pop("optimizer", OptimizerConfig(lr=1e-2, grad_clip=1.0))
+    return HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(optimizer=opt, **kw))
+
+
+def test_packed_forward_equals_unpadded_and_padded(model_dir):
+    eng = engine(model_dir, max_tokens_per_mb=64)
+    samples = make_samples([7, 12, 3, 9, 1])
+    packed = eng.forward(samples)
+    assert isinstance(eng, TrainEngine)
+    with torch.no_grad():
+        padded = padded_logprobs(eng.model, samples)
+        for s, got, pad in zip(samples, packed, padded):
+            want = reference_logprobs(eng.model, s)
+            assert got.shape == (len(s.input_ids),) and got[0] == 0.0
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(pad, want, atol=1e-5, rtol=0)
+
+
+def test_packed_grads_equal_per_sequence_grads(model_dir):
+    eng = engine(model_dir, max_tokens_per_mb=64)
+    samples = make_samples([6, 10, 4], seed=1)
+    mb = build_micro_batches(samples, 64)[0]
+    assert len(mb.sample_index) == 3
+    mask = mb.tensors["loss_mask"]
+    eng.packed_logprobs(mb)[mask].sum().backward()
+    packed = {n: p.grad.clone() for n, p in eng.model.named_parameters()}
+    eng.model.zero_grad()
+    for s in samples:
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        m[0] = False
+        reference_logprobs(eng.model, s)[m].sum().backward()
+    for n, p in eng.model.named_parameters():
+        torch.testing.assert_close(packed[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_temperature_enters_logprobs(model_dir):
+    eng = engine(model_dir, temperature=2.0)
+    s = make_samples([6])[0]
+    got = eng.forward([s])[0]
+    with torch.no_grad():
+        ids = torch.tensor([s.input_ids])
+        logits = eng.model(input_ids=ids).logits[0]
+        want = gather_logprobs(logits[:-1], ids[0, 1:], temperature=2.0)
+    torch.testing.assert_close(got[1:], want, atol=1e-5, rtol=0)
+
+
+# Adam divides by |g| + eps, so a gradient of ~1e-9 whose last bits differ (summation order)
+# moves its weight by ~lr either way; comparisons of weights after a step use an eps that keeps
+# such near-zero gradients in the linear regime.
+EXACT_OPT = OptimizerConfig(lr=1e-3, eps=1e-6, grad_clip=1.0)
+
+
+def test_micro_batch_accumulation_equals_one_batch(model_dir):
+    samples = make_samples([9, 4, 7, 3, 8, 5], seed=2)
+    one = engine(model_dir, max_tokens_per_mb=1000, optimizer=EXACT_OPT)
+    many = engine(model_dir, max_tokens_per_mb=14, optimizer=EXACT_OPT)
+    s1 = one.train_batch(samples, sft_token_loss)
+    s3 = many.train_batch(samples, sft_token_loss)
+    assert s1["train/micro_batches"] == 1 and s3["train/micro_batches"] == 3
+    assert s1["train/loss_tokens"] == s3["train/loss_tokens"]
+    assert abs(s1["train/loss"] - s3["train/loss"]) < 1e-6
+    assert abs(s1["train/grad_norm"] - s3["train/grad_norm"]) < 1e-6
+    assert abs(s1["sft/nll_per_token"] - s3["sft/nll_per_token"]) < 1e-5
+    for (n, a), b in zip(one.model.named_parameters(), many.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=0, msg=n)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=n)
+
+
+def test_train_steps_decrease_sft_loss(model_dir):
+    eng = engine(model_dir, max_tokens_per_mb=20)
+    samples = make_samples([8, 10, 6, 12], seed=3)
+    losses = [eng.train_batch(samples, sft_token_loss)["train/loss"] for _ in range(6)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_bf16_autocast_and_checkpointing_run(model_dir):
+    eng = engine(model_dir, autocast_dtype="bfloat16", gradient_checkpointing=True,
+                 max_tokens_per_mb=16)
+    samples = make_samples([8, 10], seed=4)
+    stats = eng.train_batch(samples, sft_token_loss)
+    assert torch.isfinite(torch.tensor(stats["train/loss"]))
+    assert next(eng.model.parameters()).dtype == torch.float32  # master weights stay fp32
+
+
+def test_version_bookkeeping(model_dir):
+    eng = engine(model_dir)
+    assert eng.get_version() == 0
+    eng.train_batch(make_samples([5]), sft_token_loss)
+    assert eng.get_version() == 1 and eng.step == 1
+    eng.set_version(7)
+    eng.train_batch(make_samples([5]), sft_token_loss)
+    assert eng.get_version() == 8 and eng.step == 2
+    with pytest.raises(ValueError, match="version=-1"):
+        eng.set_version(-1)
+
+
+def test_forward_only_reference_engine(model_dir):
+    ref = engine(model_dir, trainable=False)
+    assert ref.optimizer is None
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    lp = ref.forward(make_samples([5, 3]))
+    assert [t.shape[0] for t in lp] == [5, 3]
+    with pytest.raises(ValueError, match="forward-only"):
+        ref.train_batch(make_samples([5]), sft_token_loss)
+
+
+def test_config_rejects_bad_budget():
+    with pytest.raises(ConfigError, match="max_tokens_per_mb"):
+        TrainEngineConfig.from_dict({"max_tokens_per_mb": 0})
+    with pytest.raises(ConfigError, match="did you mean"):
+        TrainEngineConfig.from_dict({"max_token_per_mb": 8})
+
+
+def test_token_data_reaches_loss_fn(model_dir):
+    eng = engine(model_dir, max_tokens_per_mb=8)
+    samples = make_samples([5, 6], seed=5)
+    adv = [[2.0] * len(s.input_ids) for s in samples]
+    seen = []
+
+    def loss_fn(logprobs, tensors, normalizer):
+        seen.append(float(tensors["advantages"][tensors["loss_mask"]].mean()))
+        loss = -(logprobs * tensors["advantages"] * tensors["loss_mask"]).sum() / normalizer
+        return loss, {}
+
+    eng.train_batch(samples, loss_fn, token_data={"advantages": adv})
+    assert seen == [2.0, 2.0]
