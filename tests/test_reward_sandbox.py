@@ -147,7 +147,9 @@ def test_runtime_error_and_file_size_limit():
 def test_infinite_loop_hits_cpu_limit():
     result, elapsed = timed("sandbox infinite loop", run_sandboxed, INFINITE_LOOP, "", LIMITS)
     assert result.status is SandboxStatus.TIMEOUT
-    assert elapsed < LIMITS.cpu_seconds + 1
+    # On an idle machine the CPU limit ends it after ~1 s; under load the wall limit may come
+    # first. The contract is the same either way: back within the timeout + 1 s, scored 0.
+    assert elapsed < max(LIMITS.cpu_seconds, LIMITS.wall_seconds) + 1
 
 
 @needs_isolation
