@@ -2,52 +2,28 @@
 `openai` SDK, raw httpx for token-level and malformed requests."""
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
+from conftest import running_servers
 import torch
 
 from asyncrl.api import GenerationConfig, ModelRequest
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.inference.weight_buckets import push_weights_over_http
-from asyncrl.launch.serve import READY_PREFIX
 from asyncrl.models.loading import load_causal_lm, load_tokenizer
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 
 KEY = "test-admin-key"
 CTX = 128
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                          intermediate_size=128, seed=3)
-    return build_tiny_model(cfg, tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "serve", "--model", str(model_dir), "--port", "0",
-         "--api-key", KEY, f"engine.max_seq_len={CTX}", "engine.max_num_seqs=16",
-         "max_body_bytes=65536"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    line = proc.stdout.readline()
-    if not line.startswith(READY_PREFIX):
-        proc.kill()
-        pytest.fail(f"server did not start: {line!r} {proc.stderr.read()[-3000:]}")
-    yield line[len(READY_PREFIX):].strip()
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("server did not exit within 20 s of SIGTERM")
+    args = ["--api-key", KEY, f"engine.max_seq_len={CTX}", "engine.max_num_seqs=16",
+            "max_body_bytes=65536"]
+    with running_servers(model_dir, 1, *args) as [(url, _)]:
+        yield url
 
 
 @pytest.fixture(scope="module")

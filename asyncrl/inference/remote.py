@@ -1,0 +1,432 @@
+"""`RemoteInferenceEngine`: the api `InferenceEngine` protocol over N inference servers via HTTP.
+
+One request may take several HTTP calls ("segments"), and the caller sees one `ModelResponse`:
+- Interruption: a weight update pauses the servers, which abort in-flight requests with their
+  partial output. The client waits until `resume()`, then resubmits prompt + tokens so far with
+  the remaining budget, so one response holds tokens of several policy versions.
+- Failover: a call that fails with a connection error, timeout or 5xx marks its server unhealthy
+  and is retried on another with backoff, from the tokens accumulated so far (a non-streaming call
+  that dies loses only its own segment). A lazy `/health` probe brings the server back.
+
+How a continuation's sampling parameters are derived is in `continuation.py`. Stop strings are
+matched by the server within one call, so one that straddles an interruption boundary is missed
+(stop token ids are not affected).
+
+Thread model: `agenerate` and `update_weights` run on any event loop (the rollout executor runs
+its own on another thread), so each running loop gets its own lazily created `httpx.AsyncClient`.
+`pause` / `resume` are synchronous and may be called from any thread; the pause gate wakes waiters
+on every loop through `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, Self
+
+import httpx
+import pydantic
+
+from asyncrl.api import (
+    ModelRequest,
+    ModelResponse,
+    StopReason,
+    WeightUpdateKind,
+    WeightUpdateMeta,
+)
+from asyncrl.config import Config
+from asyncrl.inference.backends import Backend, HttpCall, Segment, make_backend
+from asyncrl.inference.continuation import Progress
+from asyncrl.inference.gate import ResumeGate
+from asyncrl.inference.routing import Routing, ServerPool, ServerState
+
+log = logging.getLogger(__name__)
+
+
+class RemoteEngineConfig(Config):
+    addresses: list[str] = pydantic.Field(min_length=1)  # base URLs, e.g. http://10.0.0.5:8000
+    backend: Literal["asyncrl", "vllm", "sglang"] = "asyncrl"
+    model: str | None = None  # vLLM: the served model name, when the server needs one
+    routing: Literal["round_robin", "least_loaded"] = "round_robin"
+    request_timeout_s: float = pydantic.Field(600.0, gt=0)  # one generation call
+    connect_timeout_s: float = pydantic.Field(5.0, gt=0)
+    control_timeout_s: float = pydantic.Field(300.0, gt=0)  # pause/resume/weight updates
+    max_retries: int = pydantic.Field(5, ge=0)  # retries after consecutive failed calls
+    backoff_base_s: float = pydantic.Field(0.2, ge=0)
+    backoff_max_s: float = pydantic.Field(5.0, ge=0)
+    health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
+    max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
+    api_key: str | None = None  # bearer token for control and weight endpoints
+    max_connections: int = pydantic.Field(1024, ge=1)  # per event loop
+    sticky_capacity: int = pydantic.Field(100_000, ge=0)  # request ids remembered for stickiness
+
+    @pydantic.field_validator("addresses")
+    @classmethod
+    def _urls(cls, addresses: list[str]) -> list[str]:
+        for a in addresses:
+            if not a.startswith(("http://", "https://")):
+                raise ValueError(f"addresses entry {a!r} must start with http:// or https://")
+        return addresses
+
+    @pydantic.model_validator(mode="after")
+    def _backoff_order(self) -> RemoteEngineConfig:
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError(f"backoff_max_s={self.backoff_max_s} is out of range; allowed "
+                             f">= backoff_base_s={self.backoff_base_s}")
+        return self
+
+
+class RemoteEngineError(RuntimeError):
+    """A request could not be served: every retry failed; the message names each server's state."""
+
+
+class RemoteRequestError(ValueError):
+    """A server rejected the request itself (4xx): retrying elsewhere would not help."""
+
+
+class _ServerFailure(Exception):
+    """A call failed because of the server (connection, timeout, 5xx, 429): retry elsewhere."""
+
+    def __init__(self, message: str, unhealthy: bool = True, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.unhealthy, self.timed_out = unhealthy, timed_out
+
+
+class RemoteInferenceEngine:
+    def __init__(self, cfg: RemoteEngineConfig, backend: Backend | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend or make_backend(cfg.backend, model=cfg.model)
+        self.pool = ServerPool(cfg.addresses, Routing(cfg.routing), cfg.health_check_interval_s,
+                               cfg.sticky_capacity)
+        self._gate = ResumeGate()
+        self._version = 0
+        self._closed = False
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._sync_client: httpx.Client | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # ---- InferenceEngine protocol -----------------------------------------------------------
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        if req.gconfig.n_samples != 1:
+            raise ValueError(f"n_samples={req.gconfig.n_samples} is out of range; allowed [1, 1]: "
+                             "expand a group into one request per sample")
+        progress = Progress(req, t0=time.perf_counter())
+        failures = interruptions = 0
+        self._count("requests")
+        while True:
+            await self._gate.wait()
+            try:
+                added = await self._one_segment(progress)
+            except _ServerFailure as err:
+                failures += 1
+                self._count("failed_calls")
+                if failures > self.cfg.max_retries:
+                    raise RemoteEngineError(
+                        f"request {req.rid} failed {failures} times in a row; last error: {err}; "
+                        f"servers: {self.pool.describe()}") from err
+                await asyncio.sleep(self._backoff(failures))
+                continue
+            failures = 0
+            if progress.stop is not StopReason.ABORT or self._closed:
+                break
+            interruptions += 1
+            if interruptions > self.cfg.max_interruptions:
+                log.warning("request %s: interrupted %d times, returning partial output",
+                            req.rid, interruptions)
+                break
+            self._count("continuations")
+            if added == 0 and self._gate.is_open:
+                # Aborted with nothing new while not paused here (another controller paused the
+                # server, or it is shutting down): do not spin on it.
+                await asyncio.sleep(self._backoff(interruptions))
+        return progress.response()
+
+    def get_version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        """Hold new and continued requests in this client, then pause every server (which aborts
+        in-flight requests; they come back with partial output and wait here for `resume`)."""
+        self._gate.close()
+        self._control(self.backend.pause_call(), "pause")
+
+    def resume(self) -> None:
+        """Resume every server, then release the requests held here (continuations first)."""
+        try:
+            self._control(self.backend.resume_call(), "resume")
+        finally:
+            self._gate.open()  # a server that failed to resume is retried around, not waited on
+
+    async def update_weights(
+        self, meta: WeightUpdateMeta,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+    ) -> None:
+        """Load `meta.version` on every server: DISK by path, TENSORS pushed in buckets.
+
+        A server that cannot be reached misses the update and leaves the rotation until a probe
+        finds it at this version (servers that report one; the next update is sent to it too);
+        a server that answers with an error fails the call.
+        """
+        jobs = self._weight_jobs(meta, named_tensors)
+        results = await asyncio.gather(*jobs.values(), return_exceptions=True)
+        errors, updated = [], 0
+        for server, result in zip(jobs, results):
+            if not isinstance(result, BaseException):
+                self.pool.set_version(server, meta.version)
+                updated += 1
+            elif isinstance(result, (_ServerFailure, httpx.TransportError)):
+                self.pool.mark_failed(server, f"missed weight update to version {meta.version}: "
+                                              f"{result}")
+            else:
+                errors.append(f"{server.address}: {result}")
+        if errors:
+            raise RuntimeError(f"weight update to version {meta.version} failed: "
+                               + "; ".join(errors))
+        if updated == 0:
+            raise RemoteEngineError(f"weight update to version {meta.version} reached no server; "
+                                    f"servers: {self.pool.describe()}")
+        self._version = meta.version
+        self.pool.required_version = meta.version
+
+    # ---- monitoring and lifecycle -----------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counts = dict(self._counts)
+        return {**counts, "paused": not self._gate.is_open, "servers": self.pool.snapshot()}
+
+    def close(self) -> None:
+        """Fail waiting requests, stop continuing interrupted ones, close the HTTP clients."""
+        self._closed = True
+        self._gate.shutdown()
+        with self._lock:
+            clients = list(self._clients.items())
+            self._clients.clear()
+            sync, self._sync_client = self._sync_client, None
+        if sync is not None:
+            sync.close()
+        for loop, client in clients:
+            if loop.is_running():  # a stopped loop would never run it; GC closes those sockets
+                asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+
+    async def aclose(self) -> None:
+        with self._lock:
+            client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---- one generation call ----------------------------------------------------------------
+
+    async def _one_segment(self, progress: Progress) -> int:
+        """One generation call for `progress`; returns how many tokens it added."""
+        rid = progress.req.rid
+        server = await self._acquire(rid)
+        # Every call gets its own server-side id: a timed-out call may still be running there.
+        call_rid = rid if progress.calls == 0 else f"{rid}.{progress.calls}"
+        progress.calls += 1
+        call = self.backend.generate_call(list(progress.req.input_ids) + progress.tokens,
+                                          progress.next_config(), call_rid)
+        epoch, version, submitted = self._gate.epoch, server.version, time.perf_counter()
+        self._count("calls")
+        try:
+            seg = self.backend.parse_generate(await self._request(server, call, self._gen_timeout()))
+        except _ServerFailure as err:
+            if err.unhealthy:
+                self.pool.mark_failed(server, str(err))
+                log.warning("server %s failed request %s: %s", server.address, rid, err)
+            if err.timed_out:
+                self._abort_in_background(server, call_rid)
+            raise
+        except RemoteRequestError:
+            if self._gate.epoch == epoch:
+                raise
+            # Some servers (vLLM's non-streaming completions) answer an abort with an error body:
+            # a pause happened meanwhile, so this is an interruption that kept no tokens.
+            seg = Segment([], [], [], StopReason.ABORT)
+        except asyncio.CancelledError:
+            self._abort_in_background(server, call_rid)  # free the server's slot
+            raise
+        finally:
+            self.pool.release(server)
+        if seg.versions is None:
+            seg.versions = [version] * len(seg.tokens)
+        elif seg.versions:
+            self.pool.set_version(server, seg.versions[-1])  # the server reports what it holds
+        progress.add(seg, submitted, time.perf_counter())
+        return len(seg.tokens)
+
+    async def _acquire(self, rid: str) -> ServerState:
+        server = self.pool.acquire(rid)
+        if server is not None:
+            self._probe_in_background()
+            return server
+        await asyncio.gather(*(self._probe(s) for s in self.pool.claim_probes(force=True)))
+        server = self.pool.acquire(rid)
+        if server is None:
+            raise _ServerFailure("no healthy server", unhealthy=False)
+        return server
+
+    async def _request(self, server: ServerState, call: HttpCall,
+                       timeout: httpx.Timeout | float) -> Any:
+        try:
+            resp = await self._client().request(
+                call.method, server.address + call.path, json=call.json, params=call.params,
+                headers=self._headers(), timeout=timeout)
+        except httpx.TimeoutException as err:
+            raise _ServerFailure(f"{type(err).__name__}: {err}", timed_out=True) from err
+        except httpx.TransportError as err:
+            raise _ServerFailure(f"{type(err).__name__}: {err}") from err
+        return _reply_body(server, call, resp)
+
+    def _gen_timeout(self) -> httpx.Timeout:
+        # No pool timeout: many rollouts queueing for a connection is normal, not a failure.
+        return httpx.Timeout(self.cfg.request_timeout_s, connect=self.cfg.connect_timeout_s,
+                             pool=None)
+
+    # ---- health -----------------------------------------------------------------------------
+
+    def _probe_in_background(self) -> None:
+        for server in self.pool.claim_probes():
+            task = asyncio.get_running_loop().create_task(self._probe(server))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _probe(self, server: ServerState) -> None:
+        try:
+            body = await self._request(server, self.backend.health_call(),
+                                       self.cfg.connect_timeout_s)
+        except (_ServerFailure, RemoteRequestError) as err:
+            self.pool.probe_result(server, False, None, f"health check: {err}")
+            return
+        self.pool.probe_result(server, True, self.backend.parse_health(body))
+
+    def _abort_in_background(self, server: ServerState, call_rid: str) -> None:
+        call = self.backend.abort_call(call_rid)
+        if call is None or self._closed:
+            return
+
+        async def abort() -> None:
+            try:
+                await self._request(server, call, self.cfg.connect_timeout_s)
+            except (_ServerFailure, RemoteRequestError) as err:
+                log.info("best-effort abort of %s on %s failed: %s", call_rid, server.address, err)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- control fan-out --------------------------------------------------------------------
+
+    def _control(self, call: HttpCall, what: str) -> None:
+        """Send `call` to every server at once; unreachable ones are marked unhealthy, error
+        replies (a wrong api_key, a server bug) raise after all have been tried."""
+        client = self._sync()
+        servers = self.pool.servers
+
+        def send(server: ServerState) -> str | None:
+            try:
+                resp = client.request(call.method, server.address + call.path, json=call.json,
+                                      params=call.params, headers=self._headers())
+            except httpx.TransportError as err:
+                self.pool.mark_failed(server, f"{what}: {type(err).__name__}: {err}")
+                log.warning("%s: server %s unreachable: %s", what, server.address, err)
+                return None
+            if resp.status_code >= 400:
+                return f"{server.address} answered {what} with HTTP {resp.status_code}: " \
+                       f"{resp.text[:300]}"
+            return None
+
+        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+            errors = [e for e in pool.map(send, servers) if e]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def _weight_jobs(self, meta: WeightUpdateMeta, named_tensors: Any) -> dict[ServerState, Any]:
+        servers = self.pool.servers
+        if meta.kind == WeightUpdateKind.DISK:
+            call = self.backend.disk_update_call(meta.path, meta.version)
+            if call is None:
+                raise ValueError(f"kind=disk is not supported by backend={self.backend.name!r}: "
+                                 "its server has no endpoint that loads weights from a path")
+            timeout = self.cfg.control_timeout_s
+            return {s: self._request(s, call, timeout) for s in servers}
+        if meta.kind == WeightUpdateKind.TENSORS:
+            if not self.backend.supports_tensor_push:
+                raise ValueError(f"kind=tensors is not supported by backend={self.backend.name!r}")
+            if named_tensors is None:
+                raise ValueError("update_weights(kind=tensors) needs the `named_tensors` argument")
+            from asyncrl.inference.weight_buckets import push_weights_over_http
+
+            items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
+                         else named_tensors)
+            return {s: asyncio.to_thread(
+                push_weights_over_http, s.address, items, meta.version, meta.bucket_bytes,
+                self.cfg.api_key, self.cfg.control_timeout_s) for s in servers}
+        raise ValueError(f"kind={meta.kind.value!r} is not supported by the remote client; "
+                         f"allowed {[WeightUpdateKind.DISK.value, WeightUpdateKind.TENSORS.value]}")
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            client = self._clients.get(loop)
+            if client is None:
+                if self._closed:
+                    raise RuntimeError("RemoteInferenceEngine is closed")
+                limits = httpx.Limits(max_connections=self.cfg.max_connections,
+                                      max_keepalive_connections=self.cfg.max_connections)
+                client = self._clients[loop] = httpx.AsyncClient(limits=limits)
+            return client
+
+    def _sync(self) -> httpx.Client:
+        with self._lock:
+            if self._sync_client is None:
+                timeout = httpx.Timeout(self.cfg.control_timeout_s,
+                                        connect=self.cfg.connect_timeout_s)
+                self._sync_client = httpx.Client(timeout=timeout)
+            return self._sync_client
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
+    def _backoff(self, failures: int) -> float:
+        delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2 ** (failures - 1))
+        return delay * random.uniform(0.5, 1.0)  # jitter: retries of a batch do not stampede
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+
+def _reply_body(server: ServerState, call: HttpCall, resp: httpx.Response) -> Any:
+    where = f"{server.address}{call.path}"
+    if resp.status_code >= 500 or resp.status_code == 429:
+        raise _ServerFailure(f"{where} answered HTTP {resp.status_code}: {resp.text[:300]}",
+                             unhealthy=resp.status_code != 429)
+    if resp.status_code >= 400:
+        raise RemoteRequestError(f"{where} rejected the request: HTTP {resp.status_code}: "
+                                 f"{resp.text[:500]}")
+    if not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text

@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny local model and real `asyncrl serve` processes on 127.0.0.1."""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.launch.serve import READY_PREFIX
+from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+
+TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                       intermediate_size=128, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(TINY, tmp_path_factory.mktemp("model") / "tiny")
+
+
+@contextlib.contextmanager
+def running_servers(model_dir, count, *args):
+    """`count` servers started together (each spends seconds importing torch); yields
+    [(url, process)] and stops them (SIGTERM, then SIGKILL after 20 s) afterwards."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "asyncrl.cli", "serve", "--model", str(model_dir), "--port",
+           "0", *args]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(count)]
+    try:
+        urls = []
+        for proc in procs:
+            line = proc.stdout.readline()
+            if not line.startswith(READY_PREFIX):
+                pytest.fail(f"server did not start: {line!r} {proc.stderr.read()[-3000:]}")
+            urls.append(line[len(READY_PREFIX):].strip())
+        yield list(zip(urls, procs))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                pytest.fail("server did not exit within 20 s of SIGTERM")

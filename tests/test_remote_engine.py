@@ -1,0 +1,495 @@
+"""The remote client over real `asyncrl serve` processes on 127.0.0.1 (tiny model, ephemeral ports):
+routing, stickiness, health, interruption by a weight update with continuation under the new
+weights, and a server killed mid-batch. The vLLM and SGLang adapters are tested on recorded reply
+shapes (no such servers here). Server tests run in file order: the last one kills a server."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import running_servers
+import torch
+
+from asyncrl.api import (
+    GenerationConfig,
+    InferenceEngine,
+    ModelRequest,
+    StopReason,
+    WeightUpdateMeta,
+)
+from asyncrl.config import ConfigError
+from asyncrl.inference.backends import (
+    BackendReplyError,
+    Segment,
+    SGLangBackend,
+    VLLMBackend,
+    make_backend,
+)
+from asyncrl.inference.continuation import Progress
+from asyncrl.inference.gate import ResumeGate
+from asyncrl.inference.remote import (
+    RemoteEngineConfig,
+    RemoteEngineError,
+    RemoteInferenceEngine,
+    RemoteRequestError,
+)
+from asyncrl.inference.routing import Routing, ServerHealth, ServerPool
+from asyncrl.models.loading import load_causal_lm
+
+KEY = "remote-test-key"
+CTX = 256
+
+
+# ---- pure logic: routing, continuation, gate, config ----------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pool_round_robin_least_loaded_sticky_and_probes():
+    clock = FakeClock()
+    pool = ServerPool(["http://a", "http://b", "http://c"], Routing.ROUND_ROBIN, 5.0, clock=clock)
+    picks = [pool.acquire(f"r{i}").address for i in range(6)]
+    assert picks == ["http://a", "http://b", "http://c"] * 2
+    assert pool.acquire("r1").address == "http://b"  # sticky: r1 went to b
+    b = pool.servers[1]
+    pool.mark_failed(b, "ConnectError")
+    assert pool.acquire("r1").address != "http://b"  # routed around, and re-pinned
+    assert pool.sticky_server("r1") != 1
+    assert pool.claim_probes() == []  # not due yet
+    clock.now = 5.0
+    assert pool.claim_probes() == [b] and pool.claim_probes() == []  # claimed once per interval
+    pool.required_version = 3
+    pool.probe_result(b, True, 2)  # answers, but missed an update
+    assert b.health is ServerHealth.UNHEALTHY and "version 2" in b.last_error
+    pool.probe_result(b, True, 3)
+    assert b.health is ServerHealth.HEALTHY and b.version == 3
+
+    ll = ServerPool(["http://a", "http://b", "http://c"], Routing.LEAST_LOADED)
+    first = ll.acquire("x")
+    assert [ll.acquire(f"y{i}").address for i in range(2)] == ["http://b", "http://c"]
+    ll.release(first)  # a is idle again: least loaded
+    assert ll.acquire("z").address == "http://a"
+    with pytest.raises(ValueError, match="addresses"):
+        ServerPool([])
+
+
+def test_continuation_budget_min_tokens_and_seed():
+    req = ModelRequest([1, 2, 3], GenerationConfig(max_new_tokens=10, min_new_tokens=6, seed=7))
+    p = Progress(req, t0=0.0)
+    assert p.next_config() is req.gconfig
+    p.add(Segment([4, 5, 6, 7], [-1.0] * 4, [0] * 4, StopReason.ABORT), 0.0, 0.1)
+    g = p.next_config()
+    assert (g.max_new_tokens, g.min_new_tokens, g.seed) == (6, 2, 11)
+    p.add(Segment([8] * 6, [-0.5] * 6, [1] * 6, StopReason.ABORT), 0.2, 0.3)
+    resp = p.response()  # aborted exactly at the budget: that is a full-length answer
+    assert resp.stop_reason is StopReason.LENGTH and resp.output_versions == [0] * 4 + [1] * 6
+    assert resp.input_tokens == [1, 2, 3] and resp.output_len == 10
+
+
+def test_resume_gate_wakes_waiters_on_other_threads_loops():
+    gate = ResumeGate()
+    gate.close()
+    woke = threading.Event()
+
+    def waiter():
+        async def main():
+            await gate.wait()
+            woke.set()
+        asyncio.run(main())
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.1)
+    assert not woke.is_set()
+    gate.open()  # from this thread, while the waiter's loop runs on another
+    t.join(5)
+    assert woke.is_set()
+    gate.close()
+
+    async def closed():
+        waiting = asyncio.ensure_future(gate.wait())
+        await asyncio.sleep(0.01)
+        gate.shutdown()
+        with pytest.raises(RuntimeError, match="closed"):
+            await waiting
+    asyncio.run(closed())
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ConfigError, match="http://"):
+        RemoteEngineConfig.from_dict({"addresses": ["localhost:8000"]})
+    with pytest.raises(ConfigError, match="did you mean 'max_retries'"):
+        RemoteEngineConfig.from_dict({"addresses": ["http://x"], "max_retry": 3})
+    with pytest.raises(ConfigError, match="backoff_max_s"):
+        RemoteEngineConfig.from_dict({"addresses": ["http://x"], "backoff_base_s": 2.0,
+                                      "backoff_max_s": 1.0})
+    with pytest.raises(ValueError, match="backend='tgi'"):
+        make_backend("tgi")
+
+
+# ---- vLLM and SGLang adapters on recorded shapes ---------------------------------------------
+# vLLM shapes follow vllm/entrypoints/openai/protocol.py (CompletionRequest fields,
+# CompletionLogProbs {text_offset, token_logprobs, tokens, top_logprobs}, choice.token_ids with
+# return_token_ids) and serving_completion.py ("token_id:{id}" strings with
+# return_tokens_as_token_ids). SGLang shapes follow python/sglang/srt/managers/tokenizer_manager.py
+# (meta_info: id, finish_reason, prompt_tokens, weight_version, output_token_logprobs as
+# (logprob, token_id, text|None)) and managers/schedule_batch.py (finish_reason to_json()).
+
+VLLM_REPLY = {
+    "id": "cmpl-r1", "object": "text_completion", "created": 1700000000, "model": "qwen",
+    "choices": [{
+        "index": 0, "text": "Hi!",
+        "logprobs": {"text_offset": [0, 14, 24],
+                     "token_logprobs": [-0.5, -1.25, -0.01],
+                     "tokens": ["token_id:13048", "token_id:0", "token_id:151643"],
+                     "top_logprobs": [{"token_id:13048": -0.5}, {"token_id:0": -1.25},
+                                      {"token_id:151643": -0.01}]},
+        "finish_reason": "stop", "stop_reason": None, "prompt_logprobs": None,
+        "prompt_token_ids": [1, 2, 3], "token_ids": [13048, 0, 151643]}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+}
+
+
+def test_vllm_request_and_reply_mapping():
+    backend = VLLMBackend(model="qwen")
+    g = GenerationConfig(max_new_tokens=8, min_new_tokens=2, temperature=0.7, top_p=0.9,
+                         stop_token_ids=[151643], seed=5)
+    call = backend.generate_call([1, 2, 3], g, "rid-1")
+    assert (call.method, call.path) == ("POST", "/v1/completions")
+    body = call.json
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 8 and body["min_tokens"] == 2
+    assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
+    assert body["skip_special_tokens"] is False and body["top_k"] == -1 and body["seed"] == 5
+    assert body["request_id"] == "rid-1" and body["model"] == "qwen"
+    assert backend.generate_call([1], GenerationConfig(greedy=True), "r").json["temperature"] == 0.0
+
+    seg = backend.parse_generate(VLLM_REPLY)
+    assert seg.tokens == [13048, 0, 151643] and seg.logprobs == [-0.5, -1.25, -0.01]
+    assert seg.stop_reason is StopReason.STOP and seg.versions is None
+    older = {**VLLM_REPLY, "choices": [{**VLLM_REPLY["choices"][0], "finish_reason": "abort"}]}
+    del older["choices"][0]["token_ids"]  # releases before return_token_ids
+    seg = backend.parse_generate(older)
+    assert seg.tokens == [13048, 0, 151643] and seg.stop_reason is StopReason.ABORT
+    bad = {"choices": [{**older["choices"][0], "logprobs": {"token_logprobs": [-1.0],
+                                                            "tokens": ["Hi"]}}]}
+    with pytest.raises(BackendReplyError, match="token_id"):
+        backend.parse_generate(bad)
+    with pytest.raises(BackendReplyError, match="choices"):
+        backend.parse_generate({"error": {"message": "boom"}})
+    assert backend.pause_call().params == {"mode": "abort"}
+    assert backend.disk_update_call("/w", 1) is None
+
+
+SGLANG_REPLY = {
+    "text": "Hi!", "output_ids": [13048, 0, 151643],
+    "meta_info": {"id": "rid-1", "finish_reason": {"type": "stop", "matched": 151643},
+                  "prompt_tokens": 3, "weight_version": "4", "completion_tokens": 3,
+                  "cached_tokens": 0, "e2e_latency": 0.12,
+                  "output_token_logprobs": [[-0.5, 13048, None], [-1.25, 0, None],
+                                            [-0.01, 151643, None]]},
+}
+
+
+def test_sglang_request_and_reply_mapping():
+    backend = SGLangBackend()
+    g = GenerationConfig(max_new_tokens=8, min_new_tokens=2, top_k=20, stop=["\n\n"], seed=5)
+    call = backend.generate_call([1, 2, 3], g, "rid-1")
+    assert (call.method, call.path) == ("POST", "/generate")
+    sp = call.json["sampling_params"]
+    assert call.json["input_ids"] == [1, 2, 3] and call.json["return_logprob"] is True
+    assert sp["max_new_tokens"] == 8 and sp["min_new_tokens"] == 2 and sp["top_k"] == 20
+    assert sp["stop"] == ["\n\n"] and sp["sampling_seed"] == 5 and sp["no_stop_trim"] is True
+
+    seg = backend.parse_generate(SGLANG_REPLY)
+    assert seg.tokens == [13048, 0, 151643] and seg.logprobs == [-0.5, -1.25, -0.01]
+    assert seg.versions == [4, 4, 4] and seg.stop_reason is StopReason.STOP
+    meta = {**SGLANG_REPLY["meta_info"], "weight_version": "default",
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "output_token_logprobs": [[-0.5, 13048, None]]}
+    seg = backend.parse_generate({"text": "Hi", "output_ids": [13048], "meta_info": meta})
+    assert seg.stop_reason is StopReason.ABORT and seg.versions is None
+    length = {**meta, "finish_reason": {"type": "length", "length": 1}}
+    assert backend.parse_generate({"meta_info": length}).stop_reason is StopReason.LENGTH
+    with pytest.raises(BackendReplyError, match="finish_reason"):
+        backend.parse_generate({"meta_info": {**meta, "finish_reason": None}})
+    assert backend.disk_update_call("/w", 3).json == {"model_path": "/w", "weight_version": "3"}
+    assert backend.pause_call().path == "/pause_generation"
+
+
+def test_unsupported_weight_updates_are_value_errors():
+    engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=["http://127.0.0.1:9"],
+                                                      backend="vllm"))
+    assert isinstance(engine, InferenceEngine)
+
+    async def main():
+        with pytest.raises(ValueError, match="kind=disk is not supported by backend='vllm'"):
+            await engine.update_weights(WeightUpdateMeta.from_disk("/w", 1))
+        with pytest.raises(ValueError, match="kind=tensors"):
+            await engine.update_weights(WeightUpdateMeta.from_tensors(1), named_tensors={})
+    asyncio.run(main())
+    engine.close()
+
+
+# ---- real servers -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def new_weights(model_dir, tmp_path_factory):
+    model = load_causal_lm(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    path = tmp_path_factory.mktemp("weights") / "v1"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir):
+    args = ["--api-key", KEY, f"engine.max_seq_len={CTX}", "engine.max_num_seqs=16"]
+    with running_servers(model_dir, 3, *args) as started:
+        yield started
+
+
+def make_engine(servers, **kw) -> RemoteInferenceEngine:
+    cfg = {"addresses": [u for u, _ in servers], "api_key": KEY, "backoff_base_s": 0.05,
+           "backoff_max_s": 0.2, **kw}
+    return RemoteInferenceEngine(RemoteEngineConfig.from_dict(cfg))
+
+
+def fixed_len(n: int, seed: int | None = None, greedy: bool = False) -> GenerationConfig:
+    # min == max: EOS is suppressed until the budget, so every complete answer has n tokens.
+    return GenerationConfig(max_new_tokens=n, min_new_tokens=n, seed=seed, greedy=greedy)
+
+
+def requests_per_server(engine) -> list[int]:
+    return [s["requests"] for s in engine.stats()["servers"]]
+
+
+def control(url: str, path: str) -> None:
+    resp = httpx.post(url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert resp.status_code == 200, resp.text
+
+
+def test_round_robin_spreads_and_servers_agree(servers):
+    engine = make_engine(servers)
+    prompt = [10, 20, 30, 40]
+
+    async def main():
+        reqs = [ModelRequest(prompt, fixed_len(12, greedy=True)) for _ in range(6)]
+        return await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+
+    outs = asyncio.run(main())
+    assert requests_per_server(engine) == [2, 2, 2]
+    assert all(o.output_tokens == outs[0].output_tokens for o in outs)  # same weights everywhere
+    assert all(o.output_len == 12 and o.output_versions == [0] * 12 for o in outs)
+    assert all(o.input_tokens == prompt and o.latency > 0 for o in outs)
+    assert "failed_calls" not in engine.stats()
+    engine.close()
+
+
+def test_sticky_rid_and_health_probe_brings_a_server_back(servers):
+    engine = make_engine(servers, health_check_interval_s=0.3)
+
+    async def main():
+        served = []
+        for turn in range(3):  # one conversation: each turn re-sends the growing prefix
+            before = requests_per_server(engine)
+            await engine.agenerate(ModelRequest([5, 6, 7 + turn], fixed_len(3), rid="conv-1"))
+            after = requests_per_server(engine)
+            served += [i for i in range(3) if after[i] > before[i]]
+            await engine.agenerate(ModelRequest([9], fixed_len(1)))  # round robin moves on
+        assert len(served) == 3 and len(set(served)) == 1  # without stickiness: 3 servers
+        home = engine.pool.sticky_server("conv-1")
+        assert served[0] == home
+
+        sick = engine.pool.servers[(home + 1) % 3]
+        engine.pool.mark_failed(sick, "simulated failure")
+        before = sick.requests
+        for _ in range(4):
+            await engine.agenerate(ModelRequest([9], fixed_len(1)))
+        assert sick.requests == before  # routed around
+        await asyncio.sleep(0.35)  # probe due; the next request probes it in the background
+        await engine.agenerate(ModelRequest([9], fixed_len(1)))
+        for _ in range(50):
+            if sick.health is ServerHealth.HEALTHY:
+                break
+            await asyncio.sleep(0.02)
+        assert sick.health is ServerHealth.HEALTHY
+        for _ in range(3):
+            await engine.agenerate(ModelRequest([9], fixed_len(1)))
+        assert sick.requests > before
+        await engine.aclose()
+
+    asyncio.run(main())
+
+
+def test_least_loaded_avoids_a_busy_server(servers):
+    engine = make_engine(servers, routing="least_loaded")
+    busy_url = servers[0][0]
+    control(busy_url, "/pause")  # a request sent there now stays in flight until /resume
+
+    async def main():
+        try:
+            stuck = asyncio.ensure_future(engine.agenerate(ModelRequest([1, 2], fixed_len(4))))
+            while engine.pool.servers[0].in_flight == 0:
+                await asyncio.sleep(0.01)
+            for _ in range(4):
+                await engine.agenerate(ModelRequest([3], fixed_len(2)))
+            assert requests_per_server(engine) == [1, 2, 2]
+        finally:
+            await asyncio.to_thread(control, busy_url, "/resume")
+        resp = await stuck
+        assert resp.output_len == 4
+        await engine.aclose()
+
+    asyncio.run(main())
+
+
+def test_rejected_request_is_not_retried(servers):
+    engine = make_engine(servers)
+
+    async def main():
+        with pytest.raises(RemoteRequestError, match="max_seq_len"):
+            await engine.agenerate(ModelRequest([1] * 200, fixed_len(100)))
+        await engine.aclose()
+
+    asyncio.run(main())
+    assert "failed_calls" not in engine.stats()
+
+
+async def running_requests(client: httpx.AsyncClient, url: str) -> float:
+    text = (await client.get(url + "/metrics")).text
+    line = next(x for x in text.splitlines() if x.startswith("asyncrl_running_requests "))
+    return float(line.split()[1])
+
+
+def hf_logprobs(model, ids: list[int], start: int) -> list[float]:
+    """Temperature-1 logprob of each token ids[start:] given everything before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[i - 1, ids[i]].item() for i in range(start, len(ids))]
+
+
+def test_weight_update_interrupts_and_generation_continues_with_mixed_versions(
+        servers, model_dir, new_weights):
+    engine = make_engine(servers)
+    n = 240
+    prompts = [[11 + i, 12, 13, 14] for i in range(9)]
+
+    async def main():
+        reqs = [ModelRequest(p, fixed_len(n, seed=i)) for i, p in enumerate(prompts)]
+        batch = asyncio.gather(*(engine.agenerate(r) for r in reqs))
+        deadline = time.monotonic() + 30
+        # Pause as soon as a server is generating: a sequence takes far longer than one poll, so
+        # the update lands mid-sequence for the running ones (the others are all-old or all-new).
+        async with httpx.AsyncClient(timeout=10) as client:
+            while engine.stats().get("calls", 0) < len(reqs) or not any(
+                    [await running_requests(client, u) for u, _ in servers]):
+                assert time.monotonic() < deadline, "requests never started running"
+                await asyncio.sleep(0.005)
+        engine.pause()
+        await engine.update_weights(WeightUpdateMeta.from_disk(str(new_weights), 1))
+        assert engine.get_version() == 1 and engine.stats()["paused"]
+        engine.resume()
+        outs = await batch
+        await engine.aclose()
+        return outs
+
+    outs = asyncio.run(main())
+    for o in outs:  # nothing lost: every answer is complete, old tokens first
+        assert o.output_len == n and o.stop_reason is StopReason.LENGTH
+        assert o.output_versions == sorted(o.output_versions) and set(o.output_versions) <= {0, 1}
+    mixed = [o for o in outs if 0 < o.output_versions.count(1) < n]
+    assert mixed, [o.output_versions.count(1) for o in outs]
+    assert engine.stats()["continuations"] >= len(mixed)
+
+    # Each token's logprob is the one its own policy version assigns given the whole prefix.
+    o = mixed[0]
+    split = o.output_versions.count(0)
+    ids = o.input_tokens + o.output_tokens
+    old = hf_logprobs(load_causal_lm(model_dir), ids, len(o.input_tokens))
+    new = hf_logprobs(load_causal_lm(new_weights), ids, len(o.input_tokens))
+    assert o.output_logprobs[:split] == pytest.approx(old[:split], abs=2e-3)
+    assert o.output_logprobs[split:] == pytest.approx(new[split:], abs=2e-3)
+
+
+def test_tensor_weight_push_reaches_every_server(servers, new_weights):
+    engine = make_engine(servers)
+    model = load_causal_lm(new_weights)
+
+    async def main():
+        await engine.update_weights(WeightUpdateMeta.from_tensors(2, bucket_bytes=20_000),
+                                    named_tensors=model.state_dict())
+        outs = await asyncio.gather(*(engine.agenerate(ModelRequest([7, 8], fixed_len(3)))
+                                      for _ in range(3)))
+        await engine.aclose()
+        return outs
+
+    outs = asyncio.run(main())
+    assert engine.get_version() == 2
+    assert all(o.output_versions == [2, 2, 2] for o in outs)
+    assert [s["version"] for s in engine.stats()["servers"]] == [2, 2, 2]
+    assert [httpx.get(u + "/version").json()["version"] for u, _ in servers] == [2, 2, 2]
+
+
+def test_killed_server_mid_batch_loses_no_rollout(servers):
+    engine = make_engine(servers, health_check_interval_s=0.2)
+    victim_url, victim = servers[2]
+    control(victim_url, "/pause")  # its share of the batch is surely in flight when it dies
+    n, total = 32, 24
+
+    async def main():
+        reqs = [ModelRequest([20 + i % 50, 3, 4], fixed_len(n, seed=i)) for i in range(total)]
+        batch = asyncio.gather(*(engine.agenerate(r) for r in reqs))
+        deadline = time.monotonic() + 30
+        while engine.pool.servers[2].in_flight < total // 3:
+            assert time.monotonic() < deadline, engine.stats()
+            await asyncio.sleep(0.01)
+        victim.kill()
+        outs = await batch
+        await engine.aclose()
+        return outs
+
+    outs = asyncio.run(main())
+    victim.wait(timeout=10)
+    assert len(outs) == total
+    assert all(o.output_len == n and o.stop_reason is StopReason.LENGTH for o in outs)
+    stats = engine.stats()
+    dead = stats["servers"][2]
+    assert dead["health"] == "unhealthy" and dead["failures"] >= total // 3
+    assert stats["failed_calls"] == total // 3  # each victim request failed once, then moved
+    assert sum(s["requests"] for s in stats["servers"][:2]) == total  # all served by survivors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_all_servers_down_fails_fast_naming_every_address():
+    addresses = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    engine = RemoteInferenceEngine(RemoteEngineConfig(
+        addresses=addresses, max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02,
+        connect_timeout_s=1.0))
+    t0 = time.monotonic()
+
+    async def main():
+        with pytest.raises(RemoteEngineError) as info:
+            await engine.agenerate(ModelRequest([1, 2], fixed_len(4)))
+        return str(info.value)
+
+    message = asyncio.run(main())
+    assert time.monotonic() - t0 < 5
+    assert all(a in message for a in addresses) and "ConnectError" in message
+    assert engine.stats()["failed_calls"] == 3  # the first try and max_retries=2 retries
+    engine.close()
