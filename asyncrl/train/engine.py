@@ -42,7 +42,10 @@ TokenData = Mapping[str, Sequence[Sequence[float]]]
 
 
 class TrainEngineConfig(Config):
-    max_tokens_per_mb: int = pydantic.Field(4096, ge=1)
+    # On CPU transformers attends a packed row through a dense N x N block-diagonal mask, so
+    # cost grows with the square of the row: 1024 measured 1.46x plain HF, 4096 only 0.53x
+    # (benchmarks/bench_train.py). On GPUs with varlen flash-attention, raise it.
+    max_tokens_per_mb: int = pydantic.Field(1024, ge=1)
     optimizer: OptimizerConfig = OptimizerConfig()
     total_steps: int = pydantic.Field(1000, ge=1, description="horizon of the LR schedule")
     # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype.

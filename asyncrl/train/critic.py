@@ -1,0 +1,114 @@
+"""The critic for PPO with GAE: a causal LM's backbone plus a scalar value head, trained packed.
+
+`ValueModel` keeps the transformer body of a HF causal LM (`lm.model`, Llama/Qwen2 layout) and
+replaces the vocabulary head with a linear map hidden -> 1. `CriticEngine` is `HFTrainEngine`
+with that model: the same packing, micro-batching, global loss-token normaliser, autocast,
+checkpointing and (through `FSDPTrainEngine`'s hooks) the same sharding, because the only thing
+that differs is the per-token output of one packed micro-batch: a value instead of a logprob.
+
+Values use the input-aligned convention of `Sample` and `gae_advantages`: index t holds
+V(state before token t), i.e. the head applied to the hidden state at t - 1, and 0 at each
+sample's first token (no state precedes it). That is exactly the shift of
+`next_token_logprobs_aligned`, so values line up with the advantages and returns of token t and
+nothing leaks across a packing boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from asyncrl.train.engine import HFTrainEngine, MicroBatchLossFn, TrainEngineConfig
+from asyncrl.train.losses import critic_value_loss
+from asyncrl.train.packing import PackedMicroBatch, next_token_logprobs_aligned
+
+
+class ValueModel(torch.nn.Module):
+    """Backbone of a causal LM + linear value head: values [B, T] (head(h_t) at position t)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        backbone = getattr(lm, "model", None)
+        if backbone is None or not hasattr(backbone, "layers"):
+            raise ValueError(f"{type(lm).__name__} has no model.layers; ValueModel needs a "
+                             "Llama/Qwen2-style causal LM whose body is `lm.model`")
+        # Named `model` so `fsdp.decoder_layers` finds `self.model.layers` as on the LM.
+        self.model = backbone
+        self.config = lm.config
+        hidden = int(lm.config.hidden_size)
+        self.value_head = torch.nn.Linear(hidden, 1, bias=True)
+        # Small init keeps the first values near 0, far below typical returns in [-1, 1], so the
+        # first PPO steps are not dominated by a random critic (the OpenRLHF/TRL choice).
+        torch.nn.init.normal_(self.value_head.weight, std=1.0 / math.sqrt(hidden + 1))
+        torch.nn.init.zeros_(self.value_head.bias)
+        self.value_head.to(next(backbone.parameters()).dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, use_cache: bool = False,
+    ) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids,
+                         attention_mask=attention_mask, use_cache=use_cache)
+        hidden = out.last_hidden_state
+        # The head runs in its own (fp32 master) dtype; under autocast Linear casts anyway.
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+
+class CriticEngine(HFTrainEngine):
+    """`HFTrainEngine` whose per-token output is the value (float32, input-aligned).
+
+    `forward(samples)` -> one tensor of values per sample; `train_batch(samples, loss_fn,
+    token_data)` -> one optimizer step with `loss_fn(values [N] with grad, tensors, normalizer)`,
+    e.g. `critic_token_loss()` with token_data {"returns": ..., "old_values": ...}.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainEngineConfig | None = None) -> None:
+        if not isinstance(model, ValueModel):
+            model = ValueModel(model)
+        super().__init__(model, cfg)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, cfg: TrainEngineConfig | None = None, dtype: str = "float32"
+    ) -> CriticEngine:
+        """A critic initialised from a policy / reward checkpoint's body and a fresh head."""
+        from asyncrl.models.loading import load_causal_lm
+
+        return cls(ValueModel(load_causal_lm(path, dtype=dtype)), cfg)
+
+    def packed_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
+        """The engine's per-token output hook: here input-aligned values [N] (float32)."""
+        return self.packed_values(mb)
+
+    def packed_values(self, mb: PackedMicroBatch) -> torch.Tensor:
+        mb = mb.to(self.device)
+        with self._autocast():
+            # Restarting position_ids, no mask: block-diagonal attention, as for the policy.
+            values = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids)
+        return next_token_logprobs_aligned(values[0].float(), mb)
+
+
+def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:
+    """`critic_value_loss` in the micro-batch loss_fn signature.
+
+    Reads token_data "returns" (required) and "old_values" (the critic at rollout time; without
+    it the clip is centred on the current values, i.e. no clipping effect on this step).
+    """
+
+    def loss_fn(
+        values: torch.Tensor, tensors: Mapping[str, torch.Tensor], normalizer: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if "returns" not in tensors:
+            raise ValueError("critic loss needs token_data['returns'] (GAE targets per token); "
+                             f"got fields {sorted(tensors)}")
+        old = tensors.get("old_values", values.detach())
+        return critic_value_loss(values, old, tensors["returns"], tensors["loss_mask"],
+                                 normalizer, value_eps_clip=value_eps_clip)
+
+    return loss_fn

@@ -1,0 +1,160 @@
+"""Training throughput of `HFTrainEngine` (packed, micro-batched) vs a plain padded HF loop.
+
+Both sides train the same 6.3M-parameter tiny Qwen2 (`TinyModelConfig()` defaults, built into a
+temp dir, two identical copies) on the same variable-length samples (default 64, lengths uniform
+in [16, --max-len]); one step = all samples, one AdamW step. The baseline is the ordinary
+transformers loop: samples in their given order, chunks of --hf-batch right-padded to the chunk's
+longest, `model(input_ids, attention_mask, labels).loss` scaled for gradient accumulation,
+backward, AdamW step. Ours: `train_batch(samples, sft_token_loss)` with --max-tokens-per-mb.
+
+tokens/s counts REAL tokens (padding excluded) over wall time of one full step. Both sides run
+alternately in one process (one warm-up, then best of --repeats), so a noisy machine slows both
+alike: compare the ours/HF column across machines, not raw tokens/s. The roofline column is the
+share of the machine's fp32 matmul GFLOP/s (measured at start, in the header) at 6 * params FLOPs
+per token for forward + backward (attention score FLOPs are not counted); bf16 rows use the same
+fp32 reference.
+
+Run from the repository root:
+
+    python benchmarks/bench_train.py                                   # fp32
+    python benchmarks/bench_train.py --dtype float32,bfloat16 --repeats 3
+    python benchmarks/bench_train.py --samples 32 --max-len 512
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from bench_engine import (
+    matmul_gflops,  # the one shared roofline probe (same dir as this script)
+)
+
+from asyncrl.api.trajectory import Sample
+from asyncrl.models.loading import load_causal_lm
+from asyncrl.models.tiny import TinyModelConfig, build_tiny_model, count_parameters
+from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
+from asyncrl.train.optim import OptimizerConfig, build_optimizer
+
+# Tiny lr: both models take many steps over the run and must stay finite; throughput does not
+# depend on the value. No grad clip on either side, so the two do identical optimizer work.
+OPTIM = OptimizerConfig(lr=1e-5, grad_clip=None)
+
+
+def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """Whole sequences trained on (loss on every token but the first, as an SFT step)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        ids = [rng.randrange(3, vocab) for _ in range(length)]
+        out.append(Sample(input_ids=ids, loss_mask=[1] * length, logprobs=[0.0] * length,
+                          versions=[0] * length))
+    return out
+
+
+class HFLoop:
+    """The baseline: padded batches, HF's own label-shifted loss, gradient accumulation."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, autocast: bool) -> None:
+        self.model, self.batch, self.autocast = model, batch, autocast
+        self.optimizer, _ = build_optimizer(model.parameters(), OPTIM, total_steps=1)
+
+    def _chunk(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, ...]:
+        width = max(len(s.input_ids) for s in samples)
+        ids = torch.zeros(len(samples), width, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, s in enumerate(samples):
+            ids[i, :len(s.input_ids)] = torch.tensor(s.input_ids)
+            attn[i, :len(s.input_ids)] = 1
+        return ids, attn, ids.masked_fill(attn == 0, -100)
+
+    def step(self, samples: Sequence[Sample]) -> None:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        chunks = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
+        for chunk in chunks:
+            ids, attn, labels = self._chunk(chunk)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                loss = self.model(input_ids=ids, attention_mask=attn, labels=labels,
+                                  use_cache=False).loss
+            (loss / len(chunks)).backward()
+        self.optimizer.step()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_dtype(args: argparse.Namespace, path: str, samples: list[Sample]) -> tuple[float, float]:
+    """(HF, ours) best real tokens/s for one dtype setting."""
+    bf16 = args.current_dtype == "bfloat16"
+    engine = HFTrainEngine(load_causal_lm(path), TrainEngineConfig(
+        max_tokens_per_mb=args.max_tokens_per_mb, optimizer=OPTIM, device="cpu",
+        autocast_dtype="bfloat16" if bf16 else "none",
+    ))
+    hf = HFLoop(load_causal_lm(path), args.hf_batch, bf16)
+    tokens = sum(len(s.input_ids) for s in samples)
+    hf_best = ours_best = 0.0
+    for rep in range(args.repeats + 1):  # interleaved; rep 0 is the warm-up
+        hf_tps = tokens / timed(lambda: hf.step(samples))
+        ours_tps = tokens / timed(lambda: engine.train_batch(samples, sft_token_loss))
+        if rep:
+            hf_best, ours_best = max(hf_best, hf_tps), max(ours_best, ours_tps)
+    return hf_best, ours_best
+
+
+def padding_share(samples: Sequence[Sample], batch: int) -> float:
+    padded = sum(len(samples[i:i + batch]) * max(len(s.input_ids) for s in samples[i:i + batch])
+                 for i in range(0, len(samples), batch))
+    return 1.0 - sum(len(s.input_ids) for s in samples) / padded
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="best of N (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens-per-mb", type=int, default=1024, help="ours: packing budget")
+    ap.add_argument("--hf-batch", type=int, default=16, help="baseline: samples per padded batch")
+    ap.add_argument("--dtype", default="float32",
+                    help="comma-separated from float32, bfloat16 (bf16 = autocast, fp32 master)")
+    args = ap.parse_args()
+    dtypes = args.dtype.split(",")
+    if unknown := set(dtypes) - {"float32", "bfloat16"}:
+        ap.error(f"--dtype {sorted(unknown)}: allowed float32, bfloat16")
+    if not 1 <= args.min_len <= args.max_len:
+        ap.error(f"--min-len={args.min_len} --max-len={args.max_len}: need 1 <= min <= max")
+    torch.set_num_threads(args.threads)
+
+    path = str(build_tiny_model(TinyModelConfig(), tempfile.mkdtemp(prefix="bench_train_")))
+    model = load_causal_lm(path)
+    params, vocab = count_parameters(model), model.config.vocab_size
+    samples = make_samples(args.samples, args.min_len, args.max_len, min(vocab, 101))
+    tokens = sum(len(s.input_ids) for s in samples)
+    gflops = matmul_gflops()
+    roofline = gflops * 1e9 / (6 * params)
+    print(f"model: {params / 1e6:.2f}M params | threads {args.threads} | {args.samples} samples, "
+          f"len U[{args.min_len}, {args.max_len}], {tokens} real tokens | HF batch "
+          f"{args.hf_batch} ({padding_share(samples, args.hf_batch):.0%} padding) | ours budget "
+          f"{args.max_tokens_per_mb} tok/mb | fp32 matmul {gflops:.0f} GFLOP/s -> roofline "
+          f"{roofline:,.0f} tok/s | load {os.getloadavg()[0]:.2f}")
+    print(f"{'dtype':>9} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} "
+          f"{'HF roof':>8} {'ours roof':>10}")
+    for dtype in dtypes:
+        args.current_dtype = dtype
+        hf, ours = bench_dtype(args, path, samples)
+        print(f"{dtype:>9} {hf:10,.0f} {ours:11,.0f} {ours / hf:8.2f} {hf / roofline:8.1%} "
+              f"{ours / roofline:10.1%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The value-head critic: shapes, packed == unpacked, and regression toward fixed returns."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncrl.api.trajectory import Sample
+from asyncrl.models.loading import load_causal_lm
+from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.train.critic import CriticEngine, ValueModel, critic_token_loss
+from asyncrl.train.engine import TrainEngineConfig
+from asyncrl.train.optim import OptimizerConfig
+
+TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                       intermediate_size=128)
+LENGTHS = [5, 17, 9, 30, 2, 12]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from threads; restore the count for other test files."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(TINY, tmp_path_factory.mktemp("tiny"))
+
+
+def make_samples(lengths, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        p = max(1, n // 3)
+        out.append(Sample.from_prompt_and_completion(
+            [rng.randrange(3, 60) for _ in range(p)], [rng.randrange(3, 60) for _ in range(n - p)],
+            [-1.0] * (n - p), [0] * (n - p)))
+    return out
+
+
+def critic(model_dir, **cfg) -> CriticEngine:
+    torch.manual_seed(0)  # the value head's init
+    return CriticEngine(load_causal_lm(model_dir), TrainEngineConfig(device="cpu", **cfg))
+
+
+def test_values_have_one_entry_per_token_and_zero_at_start(model_dir):
+    samples = make_samples(LENGTHS)
+    values = critic(model_dir, trainable=False).forward(samples)
+    assert [v.shape for v in values] == [torch.Size([n]) for n in LENGTHS]
+    assert all(v.dtype == torch.float32 for v in values)
+    assert all(v[0] == 0 for v in values)
+    assert all(v[1:].abs().sum() > 0 for v in values if len(v) > 1)  # a real head, not zeros
+
+
+def test_packed_values_equal_unpacked(model_dir):
+    """One row per sample, no packing, head on h_{t-1}: the packed engine must match it."""
+    samples = make_samples(LENGTHS, seed=1)
+    engine = critic(model_dir, trainable=False, max_tokens_per_mb=40)  # several multi-sample mbs
+    packed = engine.forward(samples)
+    with torch.no_grad():
+        for s, got in zip(samples, packed):
+            v = engine.model(input_ids=torch.tensor([s.input_ids]))[0]
+            want = torch.cat([torch.zeros(1), v[:-1]])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_critic_regresses_toward_fixed_returns(model_dir):
+    samples = make_samples(LENGTHS, seed=2)
+    targets = [0.8, -0.5, 0.3, -0.9, 0.6, 0.1]
+    returns = [[r] * len(s.input_ids) for s, r in zip(samples, targets)]
+    engine = critic(model_dir, optimizer=OptimizerConfig(lr=3e-3), max_tokens_per_mb=32)
+    losses = []
+    for _ in range(15):
+        old = [v.tolist() for v in engine.forward(samples)]
+        stats = engine.train_batch(samples, critic_token_loss(0.2),
+                                   token_data={"returns": returns, "old_values": old})
+        losses.append(stats["train/loss"])
+    assert stats["train/micro_batches"] > 1  # the budget really split the batch
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert engine.get_version() == 15
+
+
+def test_critic_loss_needs_returns(model_dir):
+    engine = critic(model_dir)
+    with pytest.raises(ValueError, match="returns"):
+        engine.train_batch(make_samples([6]), critic_token_loss())
+
+
+def test_value_model_rejects_a_model_without_a_decoder_body():
+    with pytest.raises(ValueError, match="model.layers"):
+        ValueModel(torch.nn.Linear(2, 2))
