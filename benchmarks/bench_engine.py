@@ -2,14 +2,20 @@
 
 The same randomly initialised 6M-parameter Qwen2 (hidden 256, 8 layers, GQA 4/2, vocab 128) and
 the same random 32-token prompts go through both; every sequence generates exactly 64 new tokens
-(EOS ignored). Tokens/s counts generated tokens over wall time including prefill. The roofline
-column is the share of what the machine's measured fp32 matmul GFLOP/s would allow at
-2 * params FLOPs per generated token, so the numbers survive a noisy machine.
+(EOS ignored). Tokens/s counts generated tokens over wall time including prefill. HF and ours run
+alternately in one process (one warm-up, then best of --repeats each), so a noisy machine slows
+both alike; compare the ours/HF column, not raw tokens/s, across machines. The roofline column is
+the share of what the machine's fp32 matmul GFLOP/s (measured at start, printed in the header)
+would allow at 2 * params FLOPs per generated token; bf16 rows use the same fp32 reference.
 
-    python benchmarks/bench_engine.py                      # batch 1, 16, 64, 256
+Run from the repository root (the first engine build compiles the C++ kernels, a few seconds):
+
+    python benchmarks/bench_engine.py                                 # fp32, batch 1, 16, 64, 256
+    python benchmarks/bench_engine.py --batch-sizes 64 --repeats 3    # the issue's headline row
+    python benchmarks/bench_engine.py --batch-sizes 64 --dtype float32,bfloat16
+    python benchmarks/bench_engine.py --batch-sizes 64 --no-cpu-kernels   # torch/oneDNN path
     python benchmarks/bench_engine.py --batch-sizes 64 --repeats 5 --greedy
 """
-
 from __future__ import annotations
 
 import argparse
@@ -36,7 +42,8 @@ def build_model(path: str) -> transformers.PreTrainedModel:
     return model
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+def matmul_gflops(n: int = 2048, reps: int = 20) -> float:
+    """Best of `reps` (~0.1 s each): one quiet moment suffices on a shared machine."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
     best = float("inf")
@@ -87,6 +94,26 @@ def run_vllm(path: str, prompts: torch.Tensor, new_tokens: int, greedy: bool) ->
     return prompts.shape[0] * new_tokens / (time.perf_counter() - t)
 
 
+def bench_row(
+    args: argparse.Namespace, path: str, model, dtype: str, bs: int, g: torch.Generator
+) -> tuple[float, float, float | None]:
+    """(HF, ours, vLLM) best tokens/s for one batch size; HF is 0 with --skip-hf."""
+    prompts = torch.randint(0, 128, (bs, args.prompt_len), generator=g)
+    engine = LLMEngine(EngineConfig(
+        model_path=path, max_num_seqs=bs, max_seq_len=args.prompt_len + args.new_tokens,
+        dtype=dtype, ignore_eos=True, max_prefill_tokens=max(8192, bs * args.prompt_len),
+        cpu_kernels=args.cpu_kernels,
+    ))
+    hf_best = ours_best = 0.0
+    for rep in range(args.repeats + 1):  # interleaved, so drift hits both alike
+        if not args.skip_hf:
+            hf = run_hf(model, prompts, args.new_tokens, args.greedy)
+            hf_best = max(hf_best, hf) if rep else 0.0
+        ours = run_ours(engine, prompts, args.new_tokens, args.greedy)
+        ours_best = max(ours_best, ours) if rep else 0.0
+    return hf_best, ours_best, run_vllm(path, prompts, args.new_tokens, args.greedy)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated")
@@ -94,44 +121,40 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="best of N (after one warm-up)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="dtype of both engines (like for like)")
+    ap.add_argument("--dtype", default="float32",
+                    help="comma-separated from float32, bfloat16; both engines run in it")
+    ap.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                    help="our engine without its C++ kernels (the torch / oneDNN path)")
     ap.add_argument("--greedy", action="store_true", help="greedy, not temperature-1 sampling")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    dtypes = args.dtype.split(",")
+    if unknown := set(dtypes) - {"float32", "bfloat16"}:
+        ap.error(f"--dtype {sorted(unknown)}: allowed float32, bfloat16")
 
     tmp = tempfile.mkdtemp(prefix="bench_engine_")
-    model = build_model(tmp).to(getattr(torch, args.dtype))
+    model = build_model(tmp)
     params = sum(p.numel() for p in model.parameters())
     gflops = matmul_gflops()
     roofline = gflops * 1e9 / (2 * params)
     print(f"model: {params / 1e6:.2f}M params | threads {args.threads} | fp32 matmul "
-          f"{gflops:.0f} GFLOP/s -> roofline {roofline:,.0f} tok/s | {args.dtype} | "
-          f"{'greedy' if args.greedy else 'sampling T=1'} | load {os.getloadavg()[0]:.2f}")
-    print(f"{'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} {'roofline':>9} "
-          f"{'vLLM tok/s':>11}")
-    g = torch.Generator().manual_seed(1)
-    for bs in batch_sizes:
-        prompts = torch.randint(0, 128, (bs, args.prompt_len), generator=g)
-        engine = LLMEngine(EngineConfig(
-            model_path=tmp, max_num_seqs=bs, max_seq_len=args.prompt_len + args.new_tokens,
-            dtype=args.dtype, ignore_eos=True, max_prefill_tokens=max(8192, bs * args.prompt_len),
-        ))
-        hf_best = ours_best = 0.0
-        for rep in range(args.repeats + 1):  # interleaved, so drift hits both alike
-            if not args.skip_hf:
-                hf = run_hf(model, prompts, args.new_tokens, args.greedy)
-                hf_best = max(hf_best, hf) if rep else 0.0
-            ours = run_ours(engine, prompts, args.new_tokens, args.greedy)
-            ours_best = max(ours_best, ours) if rep else 0.0
-        vllm_tps = run_vllm(tmp, prompts, args.new_tokens, args.greedy)
-        ratio = f"{ours_best / hf_best:8.2f}" if hf_best else f"{'-':>8}"
-        vllm_s = f"{vllm_tps:11,.0f}" if vllm_tps else f"{'n/a':>11}"
-        hf_s = f"{hf_best:10,.0f}" if hf_best else f"{'-':>10}"
-        print(f"{bs:>5} {hf_s} {ours_best:11,.0f} {ratio} {ours_best / roofline:9.1%} {vllm_s}")
-        del engine
+          f"{gflops:.0f} GFLOP/s -> roofline {roofline:,.0f} tok/s | "
+          f"{'greedy' if args.greedy else 'sampling T=1'} | C++ kernels "
+          f"{'on' if args.cpu_kernels else 'off'} | load {os.getloadavg()[0]:.2f}")
+    print(f"{'dtype':>8} {'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} "
+          f"{'roofline':>9} {'vLLM tok/s':>11}")
+    for dtype in dtypes:
+        model = model.to(getattr(torch, dtype))
+        g = torch.Generator().manual_seed(1)  # the same prompts for every dtype
+        for bs in batch_sizes:
+            hf, ours, vllm_tps = bench_row(args, tmp, model, dtype, bs, g)
+            ratio = f"{ours / hf:8.2f}" if hf else f"{'-':>8}"
+            vllm_s = f"{vllm_tps:11,.0f}" if vllm_tps else f"{'n/a':>11}"
+            hf_s = f"{hf:10,.0f}" if hf else f"{'-':>10}"
+            print(f"{dtype:>8} {bs:>5} {hf_s} {ours:11,.0f} {ratio} {ours / roofline:9.1%} "
+                  f"{vllm_s}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from asyncrl.api import (
     StopReason,
     WeightUpdateMeta,
 )
-from asyncrl.inference import AsyncLLMEngine, EngineConfig, LLMEngine
+from asyncrl.inference import AsyncLLMEngine, EngineConfig, LLMEngine, kernels
+from asyncrl.inference.linear import KernelMatmuls, OneDNNMatmuls
 
 VOCAB = 128
 LENGTHS = [3, 8, 17, 30, 5, 12]
@@ -90,6 +91,13 @@ def assert_logprobs(model, prompt, out, temperature=1.0):
     ref = full_logprobs(model, prompt, out.output_tokens, temperature)
     got = torch.tensor(out.output_logprobs)
     assert torch.allclose(got, ref, atol=1e-4), (got, ref)
+
+
+def assert_prefix(tokens, ref):
+    """A run cut short agrees with the reference as far as both go (the engine may have passed
+    the reference's 24 tokens before the cut)."""
+    n = min(len(tokens), len(ref))
+    assert tokens[:n] == ref[:n]
 
 
 def test_greedy_batch_matches_hf_generate(model_dir, hf, prompts, hf_greedy):
@@ -291,8 +299,9 @@ def test_hf_fallback_backend_matches(model_dir, prompts, hf_greedy):
     assert [o.output_tokens for o in outs] == [r[:8] for r in hf_greedy[:3]]
 
 
-def test_bfloat16_runs(model_dir, prompts, hf_greedy):
-    eng = make_engine(model_dir, dtype="bfloat16")
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_bfloat16_runs(model_dir, prompts, hf_greedy, cpu_kernels):
+    eng = make_engine(model_dir, dtype="bfloat16", cpu_kernels=cpu_kernels)
     outs = eng.generate([ModelRequest(p, greedy(8)) for p in prompts])
     assert all(len(o.output_tokens) == 8 for o in outs)
     same = sum(o.output_tokens[0] == r[0] for o, r in zip(outs, hf_greedy))
@@ -310,8 +319,8 @@ def test_async_engine_protocol_pause_and_updates(model_dir, hf, prompts, hf_gree
         await asyncio.sleep(0.05)
         engine.pause()
         aborted = await long
-        assert aborted.stop_reason == StopReason.ABORT
-        assert aborted.output_tokens == hf_greedy[0][: len(aborted.output_tokens)]
+        assert aborted.stop_reason == StopReason.ABORT and aborted.output_len < 90
+        assert_prefix(aborted.output_tokens, hf_greedy[0])
         queued = asyncio.ensure_future(engine.agenerate(ModelRequest(prompts[1], greedy(4))))
         await asyncio.sleep(0.05)
         assert not queued.done()
@@ -352,7 +361,7 @@ def test_async_stream_abort_cancel_and_stats(model_dir, prompts, hf_greedy):
         assert await asyncio.to_thread(engine.abort, "x") == 1
         out = await other
         assert out.stop_reason == StopReason.ABORT
-        assert out.output_tokens == hf_greedy[1][: out.output_len]
+        assert_prefix(out.output_tokens, hf_greedy[1])
         await asyncio.sleep(0.05)
         stats = engine.stats()
         assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0.0
@@ -361,14 +370,25 @@ def test_async_stream_abort_cancel_and_stats(model_dir, prompts, hf_greedy):
         asyncio.run(main(engine))
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_wide_decode_batch_logprobs(model_dir, hf, fast):
-    """24 rows: the oneDNN path (>= 16 rows) and the plain path both match a full forward."""
+@pytest.mark.parametrize(
+    ("fast", "cpu_kernels"), [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_wide_decode_batch_logprobs(model_dir, hf, fast, cpu_kernels):
+    """24 rows through every matmul path (C++ kernels, oneDNN, plain torch) and both attention
+    paths (C++ kernels, torch): each matches a full forward pass."""
     g = torch.Generator().manual_seed(2)
     lengths = torch.randint(1, 20, (24,), generator=g).tolist()
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-    eng = make_engine(model_dir, max_num_seqs=24, fast_matmuls=fast)
-    assert (eng.runner.model._fast is not None) == fast
+    eng = make_engine(model_dir, max_num_seqs=24, fast_matmuls=fast, cpu_kernels=cpu_kernels)
+    model, built = eng.runner.model, kernels.load() is not None
+    assert (model._kernels is not None) == (cpu_kernels and built)
+    expected = None
+    if fast:
+        expected = KernelMatmuls if cpu_kernels and built else OneDNNMatmuls
+    if expected is None:
+        assert model._fast is None
+    else:
+        assert isinstance(model._fast, expected)
     gc = GenerationConfig(max_new_tokens=6, temperature=0.8)
     outs = eng.generate([ModelRequest(p, gc) for p in prompts])
     for p, o in zip(prompts, outs):

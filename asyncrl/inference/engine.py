@@ -41,7 +41,10 @@ class EngineConfig(Config):
     max_prefill_tokens: int = pydantic.Field(8192, ge=1)  # padded tokens in one prefill step
     dtype: Literal["float32", "bfloat16"] = "float32"
     backend: Literal["auto", "native", "hf"] = "auto"  # auto: native if the arch is supported
-    fast_matmuls: bool = True  # native on CPU: prepacked oneDNN weights with fused epilogues
+    fast_matmuls: bool = True  # native on CPU: prepacked weights with fused epilogues
+    # native on CPU: C++ attention, RMSNorm and (fp32, with fast_matmuls) matmuls, compiled on
+    # first use; the torch / oneDNN path when they cannot be built
+    cpu_kernels: bool = True
     seed: int = 0  # sampling noise of requests without their own seed
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
     num_threads: int | None = pydantic.Field(None, ge=1)  # torch intra-op threads
@@ -67,7 +70,7 @@ class LLMEngine:
         num_slots = self._num_slots(hf_config, dtype)
         self.runner = load_runner(
             config.model_path, config.backend, num_slots, self.max_seq_len, dtype, hf_config,
-            config.fast_matmuls,
+            config.fast_matmuls, config.cpu_kernels,
         )
         self.vocab_size = self.runner.vocab_size
         eos = [] if config.ignore_eos else read_eos_ids(config.model_path, hf_config)

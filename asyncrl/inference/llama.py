@@ -5,12 +5,17 @@ q/k/v projections are fused into one matrix and gate/up into another, so a decod
 whole batch is five matmuls per layer. Two forward entry points share the layer code and differ
 only in attention:
 
-- `prefill`: right-padded `[n, L]` prompts computed from position 0 (causal SDPA over the fresh
-  K/V; right padding never leaks into real tokens under a causal mask), K/V written into the
-  sequences' slots.
+- `prefill`: right-padded `[n, L]` prompts computed from position 0, K/V written into the
+  sequences' slots (causal attention over the fresh K/V; right padding never leaks into real
+  tokens under a causal mask).
 - `decode`: one new token per sequence at its own position; sequence i lives in cache slot i (the
-  scheduler keeps the running set compact), attention reads `cache[:n, :, :T]` as a view and masks
-  positions past each sequence's length.
+  scheduler keeps the running set compact).
+
+On CPU the C++ kernels (`kernels.py`, built on first use) do RoPE, the cache write and attention
+over each row's own positions in one pass, and RMSNorm; in fp32 with `KernelMatmuls` a whole decode
+step is a single C++ call. Without them (no compiler, `cpu_kernels=False`, other devices) the torch
+path runs: SDPA for prefill, and for decode a batched matmul over `cache[:n, :, :T]` as a view
+with positions past each sequence's length masked.
 
 The cache layout is `[num_layers, 2 (k/v), num_slots, num_kv_heads, max_seq_len, head_dim]`.
 """
@@ -24,7 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.inference.linear import OneDNNMatmuls, PlainMatmuls, make_fast_matmuls
+from asyncrl.inference import kernels
+from asyncrl.inference.linear import (
+    KernelMatmuls,
+    Matmuls,
+    PlainMatmuls,
+    make_fast_matmuls,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -106,15 +117,16 @@ class _Ctx:
     sin: torch.Tensor
     n: int
     length: int  # prefill: padded prompt length; decode: attended length T
-    slots: torch.Tensor | None = None  # prefill: destination slot per row
-    kv_rows: torch.Tensor | None = None  # decode: rows of the flat layer cache for new k, v
-    mask: torch.Tensor | None = None  # decode: additive [n * K, 1, T]
+    slots: torch.Tensor | None = None  # prefill: slot per prompt (kernels: per row)
+    positions: torch.Tensor | None = None  # kernels: position of each row's token
+    kv_rows: torch.Tensor | None = None  # decode, torch path: rows of the flat layer cache
+    mask: torch.Tensor | None = None  # decode, torch path: additive [n * K, 1, T]
 
 
 class LlamaModel:
     def __init__(
         self, args: LlamaArgs, dtype: torch.dtype = torch.float32, rows_hint: int = 64,
-        fast_matmuls: bool = True,
+        fast_matmuls: bool = True, cpu_kernels: bool = True,
     ) -> None:
         self.args, self.dtype = args, dtype
         self.rows_hint, self.use_fast = rows_hint, fast_matmuls
@@ -145,9 +157,19 @@ class LlamaModel:
         freqs = torch.outer(torch.arange(a.max_position_embeddings, dtype=torch.float32), inv_freq)
         self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype)
         self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(dtype)
+        # The kernels read fp32 tables holding the values the torch path uses (rounded to dtype).
+        self.cos32, self.sin32 = self.cos.float(), self.sin.float()
+        self._kernels = self._load_kernels() if cpu_kernels else None
+        self._dims: tuple[tuple[int, ...], kernels.ModelDims] | None = None  # per cache shape
         self._targets = self._name_map()
         self._plain = PlainMatmuls(self.layers, self.lm_head)
-        self._fast: OneDNNMatmuls | None = None  # built from real weights in load_weights
+        self._fast: Matmuls | None = None  # built from real weights in load_weights
+
+    def _load_kernels(self) -> kernels.CpuKernels | None:
+        if not kernels.CpuKernels.supports(self.dtype, self.args.head_dim, self.embed.device):
+            return None
+        lib = kernels.load()
+        return kernels.CpuKernels(lib, self.dtype) if lib is not None else None
 
     def _name_map(self) -> dict[str, torch.Tensor]:
         """HF parameter name -> the (view of the) tensor it is copied into."""
@@ -206,7 +228,9 @@ class LlamaModel:
         if self._fast is not None:
             self._fast.repack()
         elif self.use_fast and not missing:
-            self._fast = make_fast_matmuls(self.layers, self.lm_head, self.rows_hint)
+            self._fast = make_fast_matmuls(
+                self.layers, self.lm_head, self.rows_hint, self._kernels
+            )
 
     def _rope(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
@@ -226,6 +250,13 @@ class LlamaModel:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kvh != h)
         return o.transpose(1, 2).reshape(n * length, self.q_dim)
 
+    def _attn_kernel(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
+        """Prefill and decode alike: row r attends to positions [0, c.positions[r]] of its slot."""
+        return self._kernels.attention(
+            qkv, c.cache[layer, 0], c.cache[layer, 1], self.cos32, self.sin32, c.slots,
+            c.positions, self.args.num_heads,
+        )
+
     def _attn_decode(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
         a, n, t = self.args, c.n, c.length
         h, kvh, hd = a.num_heads, a.num_kv_heads, a.head_dim
@@ -243,22 +274,49 @@ class LlamaModel:
         scores = torch.baddbmm(c.mask, q, k.transpose(1, 2), alpha=hd**-0.5)
         return torch.bmm(scores.softmax(-1), v).view(n, self.q_dim)
 
-    def _layers(self, x: torch.Tensor, attn, c: _Ctx) -> torch.Tensor:
-        d, eps = self.args.hidden_size, self.args.rms_norm_eps
+    def _layers(
+        self, x: torch.Tensor, attn, c: _Ctx, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`keep`: rows whose output is wanted. The last layer runs its attention output, o_proj
+        and MLP on those rows only (every row's K/V is already cached by then); for a prefill
+        that skips about a tenth of the FLOPs."""
         mm = self._matmuls(x.shape[0])
+        last = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            qkv = mm.qkv(i, F.rms_norm(x, (d,), w.ln1, eps))
-            x = mm.o_proj_add(i, attn(i, qkv, c), x)
-            x = mm.mlp_add(i, F.rms_norm(x, (d,), w.ln2, eps), x)
+            a = attn(i, mm.qkv(i, self._norm(x, w.ln1)), c)
+            if keep is not None and i == last:
+                a, x = a[keep], x[keep]
+            x = mm.o_proj_add(i, a, x)
+            x = mm.mlp_add(i, self._norm(x, w.ln2), x)
         return x
 
-    def _matmuls(self, rows: int) -> PlainMatmuls | OneDNNMatmuls:
-        fast = self._fast if rows >= OneDNNMatmuls.MIN_ROWS else None
-        return fast or self._plain
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # torch's CPU rms_norm is about eight ops; the kernel is one pass (same fp32 statistics).
+        if self._kernels is not None and x.is_contiguous():
+            return self._kernels.rms_norm(x, w, self.args.rms_norm_eps)
+        return F.rms_norm(x, (self.args.hidden_size,), w, self.args.rms_norm_eps)
+
+    def _model_dims(self, cache: torch.Tensor) -> kernels.ModelDims:
+        a, (layers, _, _, kvh, max_len, hd) = self.args, cache.shape
+        key = tuple(cache.shape)
+        if self._dims is None or self._dims[0] != key:
+            dims = kernels.ModelDims(
+                layers, a.hidden_size, self.q_dim + 2 * self.kv_dim, a.intermediate_size,
+                a.num_heads, kvh, hd, max_len, cache.stride(0), cache.stride(1), a.rms_norm_eps,
+                self.cos32.data_ptr(), self.sin32.data_ptr(),
+            )
+            self._dims = (key, dims)
+        return self._dims[1]
+
+    def _use_kernels(self, cache: torch.Tensor) -> bool:
+        return self._kernels is not None and cache.is_contiguous() and cache.dtype == self.dtype
+
+    def _matmuls(self, rows: int) -> Matmuls:
+        fast = self._fast
+        return fast if fast is not None and rows >= fast.MIN_ROWS else self._plain
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(x, (self.args.hidden_size,), self.norm, self.args.rms_norm_eps)
-        return self._matmuls(x.shape[0]).logits(x).float()
+        return self._matmuls(x.shape[0]).logits(self._norm(x, self.norm)).float()
 
     @torch.inference_mode()
     def prefill(
@@ -266,12 +324,21 @@ class LlamaModel:
     ) -> torch.Tensor:
         """tokens [n, L] right-padded, lengths [n], slots [n] -> fp32 logits of each last token."""
         n, length = tokens.shape
+        x = F.embedding(tokens.reshape(-1), self.embed)
+        last = torch.arange(n) * length + lengths - 1
+        if self._use_kernels(cache):
+            # Padding rows write K/V past their prompt's end: harmless, since decode overwrites
+            # a position before any query reads it.
+            c = _Ctx(
+                cache, self.cos32, self.sin32, n * length, length,
+                slots=slots.long().repeat_interleave(length),
+                positions=torch.arange(length).repeat(n),
+            )
+            return self._logits(self._layers(x, self._attn_kernel, c, last))
         cos = self.cos[:length, None]  # [L, 1, hd], broadcast over rows and heads
         sin = self.sin[:length, None]
         c = _Ctx(cache, cos, sin, n, length, slots=slots)
-        x = self._layers(F.embedding(tokens.reshape(-1), self.embed), self._attn_prefill, c)
-        last = torch.arange(n) * length + lengths - 1
-        return self._logits(x[last])
+        return self._logits(self._layers(x, self._attn_prefill, c, last))
 
     @torch.inference_mode()
     def decode(
@@ -279,7 +346,19 @@ class LlamaModel:
     ) -> torch.Tensor:
         """tokens [n] at positions [n]; row i is cache slot i -> fp32 logits [n, V]."""
         n = tokens.shape[0]
-        t = int(positions.max()) + 1
+        x = F.embedding(tokens, self.embed)
+        if self._use_kernels(cache):
+            positions = positions.long().contiguous()
+            if isinstance(self._fast, KernelMatmuls):
+                # One C++ call for the whole step: the kernels below without per-op overhead.
+                return self._fast.forward(x, self.norm, cache, positions, self._model_dims(cache))
+            c = _Ctx(cache, self.cos32, self.sin32, n, 0, positions=positions)
+            return self._logits(self._layers(x, self._attn_kernel, c))
+        return self._logits(self._layers(x, self._attn_decode, self._decode_ctx(cache, positions)))
+
+    def _decode_ctx(self, cache: torch.Tensor, positions: torch.Tensor) -> _Ctx:
+        """The mask and cache rows of the torch attention path."""
+        n, t = positions.shape[0], int(positions.max()) + 1
         _, _, slots, kvh, max_len, _ = cache.shape
         masked = torch.arange(t) > positions[:, None]  # [n, T]: beyond each row's new token
         mask = torch.zeros(n, 1, t, dtype=self.dtype).masked_fill_(masked[:, None], float("-inf"))
@@ -289,8 +368,7 @@ class LlamaModel:
         head = torch.arange(kvh)[None, None, :]
         i = torch.arange(n)[:, None, None]
         kv_rows = ((kv * slots + i) * kvh + head) * max_len + positions[:, None, None]
-        c = _Ctx(
+        return _Ctx(
             cache, self.cos[positions, None], self.sin[positions, None], n, t,
             kv_rows=kv_rows.reshape(-1), mask=mask.repeat_interleave(kvh, 0),
         )
-        return self._logits(self._layers(F.embedding(tokens, self.embed), self._attn_decode, c))

@@ -69,10 +69,12 @@ class ModelRunner:
 
     def __init__(
         self, args: LlamaArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
-        fast_matmuls: bool = True,
+        fast_matmuls: bool = True, cpu_kernels: bool = True,
     ) -> None:
         # The decode batch is at most num_slots rows: the packed weight layout is tuned for it.
-        self.model = LlamaModel(args, dtype, rows_hint=num_slots, fast_matmuls=fast_matmuls)
+        self.model = LlamaModel(
+            args, dtype, rows_hint=num_slots, fast_matmuls=fast_matmuls, cpu_kernels=cpu_kernels
+        )
         self.vocab_size = args.vocab_size
         # Zeros, not empty: masked positions are still multiplied, and NaN garbage * 0 stays NaN.
         self.cache = torch.zeros(
@@ -155,7 +157,7 @@ class HFModelRunner:
 
 def load_runner(
     path: str | Path, backend: str, num_slots: int, max_seq_len: int, dtype: torch.dtype,
-    hf_config: Mapping, fast_matmuls: bool = True,
+    hf_config: Mapping, fast_matmuls: bool = True, cpu_kernels: bool = True,
 ) -> Runner:
     """`backend`: "native" (compact model, error if unsupported), "hf", or "auto"."""
     reason = unsupported_reason(hf_config)
@@ -164,6 +166,6 @@ def load_runner(
     if reason:
         raise ValueError(f"backend='native' cannot run {str(path)!r}: {reason}; use backend='auto'")
     args = LlamaArgs.from_hf_config(hf_config)
-    runner = ModelRunner(args, num_slots, max_seq_len, dtype, fast_matmuls)
+    runner = ModelRunner(args, num_slots, max_seq_len, dtype, fast_matmuls, cpu_kernels)
     runner.load_weights(iter_safetensors(path))
     return runner
