@@ -2,11 +2,13 @@
 
 import contextlib
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 
+from asyncrl.api.trajectory import Sample
 from asyncrl.launch.serve import READY_PREFIX
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 
@@ -46,3 +48,16 @@ def running_servers(model_dir, count, *args):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 pytest.fail("server did not exit within 20 s of SIGTERM")
+
+
+def make_samples(lengths, seed=0, vocab=60):
+    """Random prompt + completion samples of the given total lengths (a third is prompt)."""
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        p = max(1, n // 3)
+        out.append(Sample.from_prompt_and_completion(
+            [rng.randrange(3, vocab) for _ in range(p)],
+            [rng.randrange(3, vocab) for _ in range(n - p)],
+            [-1.0] * (n - p), [0] * (n - p)))
+    return out

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
+from conftest import make_samples
 import torch
 
-from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 from asyncrl.train.critic import CriticEngine, ValueModel, critic_token_loss
@@ -31,17 +30,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(TINY, tmp_path_factory.mktemp("tiny"))
-
-
-def make_samples(lengths, seed=0):
-    rng = random.Random(seed)
-    out = []
-    for n in lengths:
-        p = max(1, n // 3)
-        out.append(Sample.from_prompt_and_completion(
-            [rng.randrange(3, 60) for _ in range(p)], [rng.randrange(3, 60) for _ in range(n - p)],
-            [-1.0] * (n - p), [0] * (n - p)))
-    return out
 
 
 def critic(model_dir, **cfg) -> CriticEngine:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
+from conftest import make_samples
 import torch
 
 from asyncrl.api.protocols import TrainEngine
@@ -41,18 +41,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(TINY, tmp_path_factory.mktemp("tiny"))
-
-
-def make_samples(lengths, seed=0, vocab=60):
-    rng = random.Random(seed)
-    out = []
-    for n in lengths:
-        p = max(1, n // 3)
-        out.append(Sample.from_prompt_and_completion(
-            [rng.randrange(3, vocab) for _ in range(p)],
-            [rng.randrange(3, vocab) for _ in range(n - p)],
-            [-1.0] * (n - p), [0] * (n - p)))
-    return out
 
 
 def reference_logprobs(model, s: Sample) -> torch.Tensor:
