@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.launch.serve import READY_PREFIX
@@ -61,3 +62,13 @@ def make_samples(lengths, seed=0, vocab=60):
             [rng.randrange(3, vocab) for _ in range(n - p)],
             [-1.0] * (n - p), [0] * (n - p)))
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and OpenMP barriers stall badly when the
+    2 cores are shared (CI, a neighbouring process): run the module on one thread, then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

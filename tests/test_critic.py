@@ -18,13 +18,7 @@ TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1
 LENGTHS = [5, 17, 9, 30, 2, 12]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads; restore the count for other test files."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

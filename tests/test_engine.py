@@ -59,14 +59,7 @@ def hf_greedy(hf, prompts):
         ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny batches gain nothing from a second thread, and OpenMP barriers stall badly when the
-    cores are shared (a CI box, or a trainer next door): keep this module on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_engine(model_dir, **kw):

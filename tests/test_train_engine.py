@@ -28,14 +28,7 @@ TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1
                        intermediate_size=128)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core box intra-op threads
-    spin against each other (measured 200x slower steps); restore for other test files."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
