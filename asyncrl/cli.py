@@ -47,6 +47,22 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from asyncrl.launch.evaluate import EvalConfig, parse_k_list, run_eval_job
+
+    given = {"pass_k": parse_k_list(ns.k, "--k") if ns.k is not None else None,
+             "num_samples": ns.num_samples, "temperature": ns.temperature,
+             "max_new_tokens": ns.max_new_tokens}
+    cfg = EvalConfig.from_dict({k: v for k, v in given.items() if v is not None}, "options")
+    run_eval_job(ns.checkpoint, ns.data, cfg, reward=ns.reward, limit=ns.limit,
+                 json_out=Path(ns.json) if ns.json else None, console=Console())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("overrides", nargs="*", metavar="key=value",
                      help="ServerConfig overrides, e.g. engine.max_num_seqs=128 engine.dtype=bfloat16")
     srv.set_defaults(func=cmd_serve)
+    ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint")
+    ev.add_argument("checkpoint", metavar="CHECKPOINT",
+                    help="HF model dir, checkpoint dir (policy/) or run dir (checkpoints/)")
+    ev.add_argument("--data", required=True, metavar="FILE",
+                    help="JSONL/parquet file (every row is scored), or 'arithmetic' for the "
+                         "built-in task's held-out split")
+    ev.add_argument("--k", default=None, metavar="K,K,...", help="pass@k values, e.g. 1,4,8")
+    ev.add_argument("--num-samples", type=int, default=None, metavar="N",
+                    help="samples per problem for pass@k (default: the largest k)")
+    ev.add_argument("--temperature", type=float, default=None, metavar="T",
+                    help="for pass@k (default 1.0)")
+    ev.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                    help="default 16")
+    ev.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="score only the first N rows")
+    ev.add_argument("--reward", choices=["exact", "math"], default="exact")
+    ev.add_argument("--json", default=None, metavar="OUT",
+                    help="write the summary and per-problem records here")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 
