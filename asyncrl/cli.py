@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default 16")
     ev.add_argument("--limit", type=int, default=None, metavar="N",
                     help="score only the first N rows")
-    ev.add_argument("--reward", choices=["exact", "math"], default="exact")
+    ev.add_argument("--reward", default="exact",
+                    help="exact | math | package.module:function (reward(completion, row))")
     ev.add_argument("--json", default=None, metavar="OUT",
                     help="write the summary and per-problem records here")
     ev.set_defaults(func=cmd_eval)

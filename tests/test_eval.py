@@ -23,11 +23,11 @@ from asyncrl.launch.evaluate import (
     EvalConfig,
     evaluate,
     load_eval_rows,
-    math_reward,
     parse_k_list,
     pass_at_k,
     resolve_model_dir,
 )
+from asyncrl.launch.rewards import math_reward, open_reward
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.models.tiny import build_tiny_model
 
@@ -387,3 +387,15 @@ def test_cli_eval_bad_flags_give_one_line(tmp_path, flags, needle):
     assert needle in lines[0]
     if "--k" in needle:
         assert "integers >= 1" in lines[0]
+
+
+def test_open_reward_names_dotted_paths_and_errors():
+    with open_reward("exact") as reward:
+        assert reward("the answer is 12", {"answer": "12"}) == 1.0
+    with open_reward("asyncrl.reward.exact:exact_answer_reward") as reward:
+        assert reward("12", "12") == 1.0
+    for bad, words in (("nope", "allowed: exact, math"), ("no_such_mod:f", "cannot import"),
+                       ("asyncrl.reward.exact:missing", "has no 'missing'")):
+        with pytest.raises(UserError, match=words):
+            with open_reward(bad):
+                pass

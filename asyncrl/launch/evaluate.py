@@ -11,12 +11,11 @@ A sample is *correct* when its reward exceeds CORRECT_THRESHOLD (0.5): binary ve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,8 @@ from rich.table import Table
 from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest
 from asyncrl.config import Config
 from asyncrl.errors import UserError
-from asyncrl.rollout.reward_call import RewardFn, answer_reward, call_reward
+from asyncrl.launch.rewards import open_reward
+from asyncrl.rollout.reward_call import RewardFn, call_reward
 
 CORRECT_THRESHOLD = 0.5
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -292,32 +292,6 @@ def load_eval_rows(data: str) -> list[dict[str, Any]]:
     return read_rows(data, FileDatasetConfig(kind=kind, path=data))
 
 
-@contextlib.contextmanager
-def exact_reward() -> Iterator[RewardFn]:
-    from asyncrl.reward.exact import exact_answer_reward
-
-    yield answer_reward(exact_answer_reward)
-
-
-@contextlib.contextmanager
-def math_reward() -> Iterator[RewardFn]:
-    """math-verify in a RewardPool: it needs a main thread (SIGALRM) and may hang on odd input."""
-    from asyncrl.reward.math_verify import math_answer_reward
-    from asyncrl.reward.pool import RewardPool, RewardPoolConfig
-
-    with RewardPool(RewardPoolConfig(preload=["asyncrl.reward.math_verify"])) as pool:
-        async def reward(completion: str, row: dict[str, Any]) -> float:
-            return (await pool.score(math_answer_reward, completion, str(row["answer"]))).score
-
-        yield reward
-
-
-REWARDS: dict[str, Callable[[], contextlib.AbstractContextManager[RewardFn]]] = {
-    "exact": exact_reward,
-    "math": math_reward,
-}
-
-
 def parse_k_list(text: str, flag: str = "--k") -> list[int]:
     """"1,4,8" -> [1, 4, 8]; anything else is a one-line UserError naming the flag."""
     try:
@@ -386,8 +360,6 @@ def run_eval_job(
     from asyncrl.models.loading import load_tokenizer
 
     console = console or Console(stderr=True)
-    if reward not in REWARDS:
-        raise UserError(f"--reward {reward!r}: unknown; allowed: {', '.join(REWARDS)}")
     if limit is not None and limit < 1:
         raise UserError(f"--limit={limit} is out of range; allowed >= 1")
     model_dir = resolve_model_dir(model_path)
@@ -401,7 +373,7 @@ def run_eval_job(
     engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_num_seqs=max_num_seqs,
                                          max_seq_len=max_seq_len, num_threads=num_threads))
     try:
-        with REWARDS[reward]() as reward_fn, Progress(
+        with open_reward(reward) as reward_fn, Progress(
             TextColumn("[bold]eval"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console,
         ) as progress:
