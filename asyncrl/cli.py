@@ -63,6 +63,29 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(ns: argparse.Namespace) -> int:
+    from asyncrl.launch.train import TrainRunConfig, load_run_config, run_train_job
+
+    path, overrides = _split_config_and_overrides(ns.args)
+    bad = [a for a in overrides if "=" not in a]
+    if bad:
+        raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
+    if ns.resume:
+        if path is not None:
+            raise UserError(f"--resume {ns.resume} uses the run's saved config.yaml; drop {path!r} "
+                            "(overrides such as total_steps=400 are allowed)")
+        cfg = load_run_config(ns.resume, overrides)
+    else:
+        cfg = TrainRunConfig.load(path, overrides)
+    result = run_train_job(cfg, resume_dir=ns.resume)
+    acc = ("n/a" if result.final_accuracy is None else f"{result.final_accuracy:.4f}")
+    start = ("n/a" if result.initial_accuracy is None else f"{result.initial_accuracy:.4f}")
+    print(f"run_dir={result.run_dir} steps={result.steps} initial_accuracy={start} "
+          f"final_accuracy={acc} train_seconds={result.train_seconds:.1f} "
+          f"wall_seconds={result.wall_seconds:.1f} stopped_by={result.stopped_by}")
+    return 130 if result.stopped_by == "interrupted" else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="optional YAML config, then dotted overrides like sft.steps=100")
     sft.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
     sft.set_defaults(func=cmd_sft)
+    tr = sub.add_parser("train", help="asynchronous RL (GRPO/PPO) on a task; the main job")
+    tr.add_argument("args", nargs="*", metavar="CONFIG|key=value",
+                    help="optional YAML config, then dotted overrides like rollout.batch_size=32")
+    tr.add_argument("--resume", metavar="RUN_DIR", default=None,
+                    help="continue a stopped run from its latest checkpoint")
+    tr.set_defaults(func=cmd_train)
     srv = sub.add_parser("serve", help="serve a model with the built-in engine over HTTP")
     srv.add_argument("--model", required=True, help="local HF model directory")
     srv.add_argument("--port", type=int, default=8000, help="0 picks a free port")

@@ -20,7 +20,14 @@ def iter_buckets(
 ) -> Iterator[dict[str, torch.Tensor]]:
     bucket: dict[str, torch.Tensor] = {}
     size = 0
+    seen: set[tuple[int, tuple[int, ...]]] = set()
     for name, tensor in named_tensors:
+        # Tied weights (lm_head = embed_tokens) are one tensor under two names: send it once,
+        # as safetensors (and HF checkpoints of tied models) do; receivers re-tie by config.
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

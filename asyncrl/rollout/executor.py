@@ -156,6 +156,11 @@ class WorkflowExecutor:
             self.paused = False
         self._kick()
 
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run `coro` on the executor's event loop (where the engine clients live) and return
+        its result: weight pushes and evaluations use the same connections as rollouts."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
     def stats(self) -> dict[str, Any]:
         s = self.manager.stats
         return {"version": self.version, "submitted": s.submitted, "accepted": s.accepted,

@@ -1,0 +1,88 @@
+"""The rollout side of a training job: which InferenceEngine, and how new weights reach it.
+
+`open_rollout_engines(cfg, model_dir, log_dir)` yields `RolloutEngines`: `.engine` (the
+InferenceEngine the executor drives) and `.push(state_dict, version)` (a coroutine run on the
+executor's event loop). In process, the update is applied between two engine steps and sequences
+in flight continue under the new weights. Over HTTP the client pauses the servers (requests in
+flight come back partial and are continued after the update, so one sequence may hold tokens of
+two versions), streams the weights in buckets or has the servers load a directory, and resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.api import InferenceEngine, WeightUpdateMeta
+from asyncrl.launch.train_config import InferenceLaunchConfig
+
+
+class RolloutEngines:
+    def __init__(self, engine: InferenceEngine, cfg: InferenceLaunchConfig, remote: bool,
+                 weights_dir: Path, urls: list[str] | None = None) -> None:
+        self.engine, self.cfg, self.remote = engine, cfg, remote
+        self.weights_dir, self.urls = weights_dir, urls or []
+
+    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                   model: Any = None, tokenizer: Any = None) -> None:
+        """Every engine serves `version` when this returns (disk sync needs `model`)."""
+        if self.cfg.weight_sync == "disk":
+            from asyncrl.train.weight_sync import save_weights_dir
+
+            path = save_weights_dir(model, self.weights_dir / f"v{version}", tokenizer)
+            meta = WeightUpdateMeta.from_disk(str(path), version)
+            payload: dict[str, Any] = {}
+        else:
+            meta = WeightUpdateMeta.from_tensors(version, self.cfg.bucket_bytes)
+            payload = ({"named_tensors": state_dict} if self.remote
+                       else {"state_dict": state_dict})
+        if not self.remote:
+            await self.engine.update_weights(meta, **payload)
+            return
+        self.engine.pause()
+        try:
+            await self.engine.update_weights(meta, **payload)
+        finally:
+            self.engine.resume()
+
+
+@contextlib.contextmanager
+def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_dir: Path,
+                         detokenize: Any = None) -> Iterator[RolloutEngines]:
+    weights_dir = Path(tempfile.mkdtemp(prefix="weights-", dir=log_dir.parent))
+    if cfg.mode == "inprocess":
+        from asyncrl.inference.async_engine import AsyncLLMEngine
+        from asyncrl.inference.engine import EngineConfig
+
+        engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_num_seqs=cfg.max_num_seqs,
+                                             dtype=cfg.dtype, num_threads=cfg.num_threads),
+                                detokenize)
+        try:
+            yield RolloutEngines(engine, cfg, remote=False, weights_dir=weights_dir)
+        finally:
+            engine.shutdown()
+        return
+
+    from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+
+    with contextlib.ExitStack() as stack:
+        if cfg.mode == "local":
+            from asyncrl.launch.local_servers import LocalServers
+
+            overrides = [f"engine.max_num_seqs={cfg.max_num_seqs}", f"engine.dtype={cfg.dtype}"]
+            if cfg.num_threads:
+                overrides.append(f"engine.num_threads={cfg.num_threads}")
+            servers = stack.enter_context(LocalServers(
+                model_dir, cfg.num_servers, log_dir, overrides, cfg.startup_timeout_s))
+            remote_cfg = RemoteEngineConfig(addresses=servers.urls, api_key=servers.api_key)
+        else:
+            remote_cfg = cfg.remote
+        engine = RemoteInferenceEngine(remote_cfg)
+        stack.callback(engine.close)
+        yield RolloutEngines(engine, cfg, remote=True, weights_dir=weights_dir,
+                             urls=list(remote_cfg.addresses))

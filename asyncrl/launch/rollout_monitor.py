@@ -1,0 +1,81 @@
+"""Numbers about rollouts for the logs: every finished episode (before filtering) and each batch.
+
+`RolloutMonitor.accept` wraps the job's acceptance rule so it sees every finished trajectory on
+the executor's thread; `take()` returns and resets what accumulated since the previous call.
+`batch_metrics` describes the batch the trainer consumed (staleness = consuming version minus the
+version the episode started under; token lag = consuming version minus each token's version).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from asyncrl.api import Trajectory
+
+
+def uniform_rewards(traj: Trajectory) -> bool:
+    rewards = traj.rewards
+    return len(rewards) > 0 and max(rewards) == min(rewards)
+
+
+class RolloutMonitor:
+    def __init__(self, drop_uniform_groups: bool,
+                 user_accept: Callable[[Trajectory], bool] | None = None) -> None:
+        self.drop_uniform = drop_uniform_groups
+        self.user_accept = user_accept
+        self._lock = threading.Lock()
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self._since = now
+        self._episodes = self._samples = self._tokens = self._kept = 0
+        self._reward_sum = 0.0
+
+    def accept(self, traj: Trajectory) -> bool:
+        keep = not (self.drop_uniform and uniform_rewards(traj))
+        keep = keep and (self.user_accept is None or self.user_accept(traj))
+        with self._lock:
+            self._episodes += 1
+            self._kept += keep
+            self._samples += len(traj.samples)
+            self._reward_sum += sum(traj.rewards)
+            self._tokens += sum(s.num_generated for s in traj.samples)
+        return keep
+
+    def take(self) -> dict[str, float]:
+        now = time.perf_counter()
+        with self._lock:
+            dt = max(now - self._since, 1e-9)
+            out = {
+                "rollout/episodes": float(self._episodes),
+                "rollout/kept_frac": self._kept / self._episodes if self._episodes else 0.0,
+                "reward/all_mean": self._reward_sum / self._samples if self._samples else 0.0,
+                "perf/gen_tokens_per_s": self._tokens / dt,
+                "perf/gen_samples_per_s": self._samples / dt,
+            }
+            self._reset(now)
+        return out
+
+
+def batch_metrics(trajs: Sequence[Trajectory], version: int) -> dict[str, float]:
+    samples = [s for t in trajs for s in t.samples]
+    stale = [version - t.metadata.get("start_version", version) for t in trajs]
+    token_lag = [version - v for s in samples for v, m in zip(s.versions, s.loss_mask) if m]
+    rewards = [s.reward for s in samples]
+    generated = [s.num_generated for s in samples]
+    return {
+        "reward/mean": sum(rewards) / len(rewards),
+        "reward/max": max(rewards),
+        "reward/min": min(rewards),
+        "staleness/mean": sum(stale) / len(stale),
+        "staleness/max": float(max(stale)),
+        "staleness/token_lag_max": float(max(token_lag, default=0)),
+        "staleness/mixed_version_frac": sum(s.head_version != s.tail_version for s in samples)
+        / len(samples),
+        "batch/trajectories": float(len(trajs)),
+        "batch/samples": float(len(samples)),
+        "batch/tokens": float(sum(len(s.input_ids) for s in samples)),
+        "batch/gen_len_mean": sum(generated) / len(generated),
+    }

@@ -1,0 +1,340 @@
+"""`asyncrl train`: the asynchronous GRPO/PPO loop, end to end.
+
+    engines generate continuously (executor, staleness bound eta)
+    loop:  batch = prepare_batch()            oldest first, never staler than eta
+           actor.train_step(batch)            [ref logprobs] -> [proximal] -> advantages -> PPO
+           push weights, version + 1          in-flight sequences continue under new weights
+           eval every K / checkpoint every K / log, plot, progress
+
+Ctrl-C (or SIGTERM) asks the loop to stop after the current step: it writes a checkpoint and
+shuts everything down (server processes included); a second Ctrl-C stops at once. `--resume RUN`
+continues from the run's latest checkpoint: weights, optimizer, LR schedule, RNG, data position,
+elapsed time, and the metrics curve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from asyncrl.launch.data_stream import DataStream
+from asyncrl.launch.evaluate import EvalResult, evaluate
+from asyncrl.launch.progress import TrainProgress
+from asyncrl.launch.rewards import open_reward
+from asyncrl.launch.rollout_engines import RolloutEngines, open_rollout_engines
+from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
+from asyncrl.launch.run_checkpoints import (
+    LoopState,
+    latest_checkpoint,
+    load_loop_state,
+    save_run_checkpoint,
+)
+from asyncrl.launch.run_logger import RunLogger
+from asyncrl.launch.train_config import MultiTurnWorkflowConfig, TrainRunConfig
+from asyncrl.models.loading import load_tokenizer
+from asyncrl.rollout.executor import WorkflowExecutor
+from asyncrl.rollout.group import GroupedWorkflow
+from asyncrl.rollout.multi_turn import MultiTurnConfig, MultiTurnWorkflow
+from asyncrl.rollout.reward_call import RewardFn
+from asyncrl.rollout.rlvr import RLVRWorkflow
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.ppo_actor import PPOActor
+
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    train_seconds: float
+    wall_seconds: float
+    initial_accuracy: float | None
+    final_accuracy: float | None
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # step, train s, acc
+    stopped_by: str = "total_steps"
+
+
+class StopRequest:
+    """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: KeyboardInterrupt now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def default_run_dir() -> Path:
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / stamp
+
+
+def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    from asyncrl.launch.sft import run_sft_job
+
+    return Path(run_sft_job(cfg.warm_start, console).model_dir)
+
+
+def build_workflow(cfg: TrainRunConfig, reward_fn: Any, tokenizer: Any) -> Any:
+    if isinstance(cfg.workflow, MultiTurnWorkflowConfig):
+        mt = MultiTurnConfig(**cfg.workflow.model_dump(exclude={"kind"}))
+        inner = MultiTurnWorkflow(reward_fn, cfg.gconfig, tokenizer, mt)
+        return GroupedWorkflow(inner, cfg.gconfig.n_samples)
+    return RLVRWorkflow(reward_fn, cfg.gconfig, tokenizer)
+
+
+def set_threads(cfg: TrainRunConfig) -> None:
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+        return
+    cores = os.cpu_count() or 1
+    engine = (cfg.inference.num_threads or 1) if cfg.inference.mode == "inprocess" else 0
+    torch.set_num_threads(max(1, cores - engine))
+
+
+class RLJob:
+    def __init__(self, cfg: TrainRunConfig, run_dir: Path, resume: bool = False,
+                 console: Console | None = None, reward_fn: RewardFn | None = None) -> None:
+        """`reward_fn` (Python callers) replaces the reward named by `cfg.reward`."""
+        self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
+        self.reward_fn = reward_fn
+        self.console = console or Console(stderr=True)
+        self.result = TrainResult(run_dir, 0, 0.0, 0.0, None, None)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(self.run_dir / CONFIG_FILE)
+        torch.manual_seed(cfg.seed)
+        set_threads(cfg)
+        state, policy_dir = self._initial_state()
+        tokenizer = load_tokenizer(policy_dir)
+        dataset = cfg.data.build()
+        self.eval_rows = dataset.eval_rows()[: cfg.eval.size]
+        with contextlib.ExitStack() as stack:
+            reward_fn = stack.enter_context(
+                contextlib.nullcontext(self.reward_fn) if self.reward_fn is not None
+                else open_reward(cfg.reward))
+            engines = stack.enter_context(open_rollout_engines(
+                cfg.inference, policy_dir, self.run_dir / "logs",
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True)))
+            trainer, actor = self._build_trainer(policy_dir, state)
+            rollout_cfg = cfg.rollout.model_copy(
+                update={"dump_dir": cfg.rollout.dump_dir or str(self.run_dir / "rollouts")})
+            executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg))
+            executor.set_version(state.version)
+            stream = DataStream(dataset.train_rows(), cfg.seed, state.data_position)
+            logger = stack.enter_context(RunLogger(
+                self.run_dir, cfg.logging, config=cfg.model_dump(mode="json"),
+                resume_step=state.step if self.resume else None))
+            progress = stack.enter_context(TrainProgress(
+                cfg.total_steps, cfg.max_train_seconds, self.console, start_step=state.step))
+            stop = stack.enter_context(StopRequest())
+            loop = _Loop(self, state, tokenizer, reward_fn, engines, trainer, actor, executor,
+                         stream, logger, progress, stop)
+            loop.run()
+        return self.result
+
+    def _initial_state(self) -> tuple[LoopState, Path]:
+        if self.resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            state = load_loop_state(ckpt)
+            self.console.print(f"resuming {self.run_dir} from {ckpt.name} (step {state.step})")
+            self.ckpt: Path | None = ckpt
+            return state, ckpt / "policy"
+        self.ckpt = None
+        return LoopState(0, 0, 0, 0.0, 0.0), resolve_base_model(self.cfg, self.console)
+
+    def _build_trainer(self, policy_dir: Path, state: LoopState) -> tuple[HFTrainEngine, PPOActor]:
+        cfg = self.cfg
+        train_cfg = cfg.train.model_copy(update={"total_steps": cfg.total_steps})
+        trainer = HFTrainEngine.from_pretrained(policy_dir, train_cfg, dtype=cfg.model.dtype)
+        if self.ckpt is not None:
+            trainer.load(self.ckpt / "trainer")
+        ref = None
+        if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
+            base = resolve_base_model(cfg, self.console)
+            ref = HFTrainEngine.from_pretrained(
+                base, train_cfg.model_copy(update={"trainable": False}), dtype=cfg.model.dtype)
+        return trainer, PPOActor(trainer, cfg.actor, ref)
+
+
+class _Loop:
+    """One run's mutable state; `run` is the loop of the module docstring."""
+
+    def __init__(self, job: RLJob, state: LoopState, tokenizer: Any, reward_fn: Any,
+                 engines: RolloutEngines, trainer: HFTrainEngine, actor: PPOActor,
+                 executor: WorkflowExecutor, stream: DataStream, logger: RunLogger,
+                 progress: TrainProgress, stop: StopRequest) -> None:
+        self.job, self.cfg, self.state = job, job.cfg, state
+        self.tokenizer, self.reward_fn, self.engines = tokenizer, reward_fn, engines
+        self.trainer, self.actor, self.executor = trainer, actor, executor
+        self.stream, self.logger, self.progress, self.stop = stream, logger, progress, stop
+        self.monitor = RolloutMonitor(self.cfg.filter_uniform_groups)
+        self.workflow = build_workflow(self.cfg, reward_fn, tokenizer)
+        self.result = job.result
+
+    def run(self) -> None:
+        cfg, state = self.cfg, self.state
+        wall0 = time.perf_counter() - state.wall_seconds
+        if state.step == 0 and cfg.eval.every:
+            self.evaluate_and_log(initial=True)
+        stopped_by = "total_steps"
+        while state.step < cfg.total_steps:
+            if cfg.max_train_seconds is not None and state.train_seconds >= cfg.max_train_seconds:
+                stopped_by = "max_train_seconds"
+                break
+            if self.stop.requested:
+                stopped_by = "interrupted"
+                break
+            t0 = time.perf_counter()
+            metrics = self.train_one_step()
+            if metrics is None:
+                stopped_by = "interrupted"
+                break
+            state.train_seconds += time.perf_counter() - t0
+            state.wall_seconds = time.perf_counter() - wall0
+            metrics.update({"time/elapsed_s": state.train_seconds,
+                            "time/wall_s": state.wall_seconds})
+            if cfg.eval.every and state.step % cfg.eval.every == 0:
+                metrics.update(self.evaluate_and_log())
+            self.logger.log(state.step, metrics)
+            self.progress.update(state.step, metrics)
+            if cfg.logging.plot and state.step % cfg.logging.plot_every == 0:
+                self.logger.plot()
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+                self.checkpoint()
+        self.finish(stopped_by, wall0)
+
+    def finish(self, stopped_by: str, wall0: float) -> None:
+        cfg, state = self.cfg, self.state
+        if cfg.eval.every and state.step % cfg.eval.every and state.step > 0:
+            metrics = self.evaluate_and_log()
+            self.logger.log(state.step, metrics, force=True)
+        state.wall_seconds = time.perf_counter() - wall0
+        if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
+            self.checkpoint()
+        if cfg.logging.plot:
+            self.logger.plot()
+        self.result.steps, self.result.stopped_by = state.step, stopped_by
+        self.result.train_seconds, self.result.wall_seconds = state.train_seconds, state.wall_seconds
+        self.progress.message(f"stopped by {stopped_by} at step {state.step} after "
+                              f"{state.train_seconds:.0f}s of training "
+                              f"({state.wall_seconds:.0f}s wall); run dir {self.job.run_dir}")
+
+    def next_batch(self) -> list | None:
+        """The next batch, or None when a stop was requested while waiting for it."""
+        while True:
+            try:
+                return self.executor.prepare_batch(self.stream, self.workflow,
+                                                   self.monitor.accept, timeout=0.5)
+            except TimeoutError:
+                if self.stop.requested:
+                    return None
+
+    def train_one_step(self) -> dict[str, float] | None:
+        t0 = time.perf_counter()
+        trajs = self.next_batch()
+        if trajs is None:
+            return None
+        t1 = time.perf_counter()
+        version = self.trainer.get_version()
+        metrics = batch_metrics(trajs, version)
+        metrics.update(self.actor.train_step(trajs))
+        t2 = time.perf_counter()
+        new_version = self.trainer.get_version()
+        self.executor.run(self.engines.push(self.trainer.model_state_dict(), new_version,
+                                            self.trainer.model, self.tokenizer))
+        self.executor.set_version(new_version)
+        t3 = time.perf_counter()
+        self.state.step += 1
+        self.state.version = new_version
+        self.state.data_position = self.stream.position
+        metrics.update(self.monitor.take())
+        stats = self.executor.stats()
+        metrics.update({
+            "policy/version": float(new_version),
+            "perf/wait_s": t1 - t0, "perf/train_s": t2 - t1, "perf/weight_sync_s": t3 - t2,
+            "perf/train_tokens_per_s": metrics["batch/tokens"] / max(t2 - t1, 1e-9),
+            "rollout/stale_dropped": float(stats["stale_dropped"]),
+            "rollout/failed": float(stats["failed"]),
+            "rollout/running": float(stats["running"]),
+        })
+        return metrics
+
+    def evaluate_and_log(self, initial: bool = False) -> dict[str, float]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        result: EvalResult = self.executor.run(evaluate(
+            self.engines.engine, self.tokenizer, self.job.eval_rows, self.reward_fn, cfg.eval))
+        metrics = result.summary()
+        step, acc = self.state.step, result.greedy_accuracy
+        self.result.evals.append((step, self.state.train_seconds, acc))
+        if initial:
+            self.result.initial_accuracy = acc
+            self.logger.log(0, {**metrics, "time/elapsed_s": 0.0, "policy/version": 0.0},
+                            force=True)
+        self.result.final_accuracy = acc
+        extra = "".join(f", pass@{k} {v:.1%}" for k, v in result.pass_at_k.items())
+        self.progress.message(f"eval at step {step}: greedy accuracy {acc:.1%}{extra} "
+                              f"({len(self.job.eval_rows)} held-out problems, "
+                              f"{time.perf_counter() - t0:.1f}s)")
+        return metrics
+
+    def checkpoint(self) -> None:
+        self.state.data_position = self.stream.position
+        path = save_run_checkpoint(self.job.run_dir, self.state, self.trainer, self.tokenizer,
+                                   keep=3)
+        self.progress.message(f"checkpoint {path}")
+
+
+def run_train_job(cfg: TrainRunConfig, resume_dir: str | Path | None = None,
+                  console: Console | None = None, reward_fn: RewardFn | None = None
+                  ) -> TrainResult:
+    if resume_dir is not None:
+        run_dir = Path(resume_dir)
+    else:
+        run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir()
+    return RLJob(cfg, run_dir, resume=resume_dir is not None, console=console,
+                 reward_fn=reward_fn).run()
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig:
+    """The saved config of a run (for --resume), with `overrides` applied on top."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        from asyncrl.errors import UserError
+
+        raise UserError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a run directory "
+                        "written by asyncrl train?")
+    return TrainRunConfig.load(str(path), overrides)
+
+
+__all__ = ["RLJob", "TrainResult", "TrainRunConfig", "load_run_config", "run_train_job"]

@@ -1,0 +1,114 @@
+"""The configuration of `asyncrl train`: every component's own config, nested.
+
+With `model.path` unset the job warm-starts the embedded tiny model on the synthetic task
+(`warm_start`, the same config and cache as `asyncrl sft`), which is the default main job.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import pydantic
+
+from asyncrl.api import GenerationConfig
+from asyncrl.config import Config
+from asyncrl.data.arithmetic import ArithmeticTaskConfig
+from asyncrl.data.dataset import DatasetConfig
+from asyncrl.inference.remote import RemoteEngineConfig
+from asyncrl.launch.evaluate import EvalConfig
+from asyncrl.launch.run_logger import LoggingConfig
+from asyncrl.launch.sft import SFTRunConfig
+from asyncrl.models.loading import ModelConfig
+from asyncrl.rollout.executor import RolloutConfig
+from asyncrl.rollout.multi_turn import MultiTurnConfig
+from asyncrl.train.engine import TrainEngineConfig
+from asyncrl.train.optim import OptimizerConfig
+from asyncrl.train.ppo_actor import PPOActorConfig
+
+
+class RLVRWorkflowConfig(Config):
+    """One prompt, `gconfig.n_samples` sampled answers, one reward each."""
+
+    kind: Literal["rlvr"] = "rlvr"
+
+
+class MultiTurnWorkflowConfig(MultiTurnConfig):
+    """Answer, feedback, retry; `gconfig.n_samples` episodes per prompt form the group."""
+
+    kind: Literal["multi_turn"] = "multi_turn"
+
+
+WorkflowConfig = Annotated[RLVRWorkflowConfig | MultiTurnWorkflowConfig,
+                           pydantic.Field(discriminator="kind")]
+
+
+class InferenceLaunchConfig(Config):
+    """Where rollouts are generated.
+
+    - inprocess: the built-in engine on a thread of the trainer process (smallest runs; weights
+      are handed over in memory, in-flight sequences continue under the new version).
+    - local: `num_servers` `asyncrl serve` processes on 127.0.0.1 started and stopped by the job;
+      weights are streamed to them over HTTP in buckets.
+    - remote: servers someone else runs (`remote.addresses`; asyncrl, vLLM or SGLang).
+    """
+
+    mode: Literal["inprocess", "local", "remote"] = "inprocess"
+    num_servers: int = pydantic.Field(1, ge=1)  # local
+    max_num_seqs: int = pydantic.Field(256, ge=1)  # inprocess / local engines
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    num_threads: int | None = pydantic.Field(1, ge=1, description="torch threads per engine")
+    startup_timeout_s: float = pydantic.Field(180.0, gt=0)  # local servers
+    remote: RemoteEngineConfig | None = None
+    weight_sync: Literal["tensors", "disk"] = "tensors"  # local/remote: HTTP buckets or a dir
+    bucket_bytes: int = pydantic.Field(64 << 20, ge=1 << 16)
+
+    @pydantic.model_validator(mode="after")
+    def _remote_needs_addresses(self) -> InferenceLaunchConfig:
+        if self.mode == "remote" and self.remote is None:
+            raise ValueError("inference.mode='remote' needs inference.remote.addresses "
+                             "(e.g. [http://10.0.0.5:8000])")
+        return self
+
+
+def _default_generation() -> GenerationConfig:
+    return GenerationConfig(n_samples=8, max_new_tokens=8, temperature=1.0)
+
+
+class TrainRunConfig(Config):
+    model: ModelConfig = ModelConfig()
+    warm_start: SFTRunConfig = SFTRunConfig()  # used when model.path is None
+    data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)
+    reward: str = pydantic.Field("exact", description="exact | math | package.module:function")
+    workflow: WorkflowConfig = pydantic.Field(default_factory=RLVRWorkflowConfig)
+    gconfig: GenerationConfig = pydantic.Field(default_factory=_default_generation)
+    # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere;
+    # dropping it keeps every trained token informative.
+    filter_uniform_groups: bool = True
+    rollout: RolloutConfig = RolloutConfig(batch_size=16, max_concurrent_rollouts=64,
+                                           max_head_offpolicyness=2)
+    actor: PPOActorConfig = PPOActorConfig()
+    train: TrainEngineConfig = TrainEngineConfig(
+        optimizer=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant"))
+    inference: InferenceLaunchConfig = InferenceLaunchConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    total_steps: int = pydantic.Field(200, ge=1)
+    max_train_seconds: float | None = pydantic.Field(
+        600.0, gt=0, description="stop after this much training wall time (evals excluded)")
+    checkpoint_every: int = pydantic.Field(50, ge=0)  # 0: only at the end
+    output_dir: str | None = None  # None: runs/<UTC timestamp>
+    seed: int = 0
+    torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: auto")
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> TrainRunConfig:
+        if self.train.temperature != self.gconfig.temperature and not self.gconfig.greedy:
+            raise ValueError(
+                f"train.temperature={self.train.temperature} must equal gconfig.temperature="
+                f"{self.gconfig.temperature}: the trainer's logprobs must be those of the sampler")
+        if self.gconfig.n_samples < 2 and self.actor.advantage.estimator in ("grpo", "rloo",
+                                                                              "drgrpo"):
+            raise ValueError(f"gconfig.n_samples={self.gconfig.n_samples} is out of range for "
+                             f"advantage.estimator={self.actor.advantage.estimator!r}: a group "
+                             "baseline needs allowed [2, inf)")
+        return self

@@ -1,0 +1,43 @@
+"""Groups for GRPO-style baselines out of workflows that produce one episode at a time.
+
+`GroupedWorkflow(inner, n)` runs `inner.arun_episode` n times concurrently on the same data and
+returns one trajectory holding all their samples, so the advantage estimator sees the group.
+An episode that fails or is rejected leaves the group smaller; fewer than `min_size` survivors
+rejects the whole group (a group of one has no baseline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from asyncrl.api import InferenceEngine, RolloutWorkflow, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class GroupedWorkflow:
+    def __init__(self, inner: RolloutWorkflow, n: int, min_size: int = 2) -> None:
+        if n < 1:
+            raise ValueError(f"n={n} is out of range; allowed [1, inf)")
+        if not 1 <= min_size <= n:
+            raise ValueError(f"min_size={min_size} is out of range; allowed [1, n={n}]")
+        self.inner, self.n, self.min_size = inner, n, min_size
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory | None:
+        results = await asyncio.gather(
+            *(self.inner.arun_episode(engine, data) for _ in range(self.n)), return_exceptions=True)
+        trajs = []
+        for r in results:
+            if isinstance(r, asyncio.CancelledError):
+                raise r
+            if isinstance(r, BaseException):
+                log.warning("episode of group %s failed: %r", data.get("id"), r)
+            elif r is not None:
+                trajs.append(r)
+        if len(trajs) < self.min_size:
+            return None
+        samples = [s for t in trajs for s in t.samples]
+        return Trajectory(samples, group_id=str(data.get("id", "")),
+                          metadata={"episodes": len(trajs)})

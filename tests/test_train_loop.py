@@ -1,0 +1,170 @@
+"""`asyncrl train` end to end on a tiny random model: real HTTP servers, real subprocesses.
+
+The reward (`train_helpers.digit_reward`) varies on an untrained model, so every step has a
+gradient; the checks are about the machinery (weights move, versions advance, staleness stays
+within eta, processes are cleaned up, resume continues the curve), not about learning.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from train_helpers import digit_reward, processes_mentioning
+
+from asyncrl.launch.train import TrainRunConfig, run_train_job
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TESTS = Path(__file__).parent
+
+
+def small_config(model_dir, out, **over):
+    base = {
+        "model": {"path": str(model_dir)},
+        "output_dir": str(out),
+        "total_steps": 3,
+        "max_train_seconds": None,
+        "gconfig": {"n_samples": 4, "max_new_tokens": 6},
+        "rollout": {"batch_size": 4, "max_concurrent_rollouts": 8, "max_head_offpolicyness": 1},
+        "filter_uniform_groups": False,
+        "train": {"optimizer": {"lr": 1e-3, "warmup_steps": 0}},
+        "inference": {"max_num_seqs": 32},
+        "eval": {"every": 2, "size": 8, "max_new_tokens": 6},
+        "logging": {"tensorboard": False, "plot_every": 2},
+        "checkpoint_every": 2,
+    }
+    for key, value in over.items():
+        node = base
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return TrainRunConfig.from_dict(base)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_loop_through_two_http_servers(model_dir, tmp_path):
+    eta = 1
+    cfg = small_config(model_dir, tmp_path / "run", **{"inference.mode": "local",
+                                                       "inference.num_servers": 2})
+    result = run_train_job(cfg, reward_fn=digit_reward)
+    assert result.steps == 3 and result.stopped_by == "total_steps"
+    rows = [m for m in metrics(tmp_path / "run") if "reward/mean" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    # versions advanced one per step, and no consumed trajectory was staler than eta
+    assert [m["policy/version"] for m in rows] == [1.0, 2.0, 3.0]
+    assert all(m["staleness/max"] <= eta for m in rows)
+    assert all(m["staleness/token_lag_max"] <= eta + 1 for m in rows)
+    # the weights the servers were given moved away from the initial model
+    before = load_file(str(Path(model_dir) / "model.safetensors"))
+    after = load_file(str(tmp_path / "run/checkpoints/step_000003/policy/model.safetensors"))
+    moved = sum(float((after[k] - before[k]).abs().max()) > 0 for k in before)
+    assert moved >= len(before) // 2
+    # rollouts JSONL: every record came from a version the loop had reached
+    records = [json.loads(line) for f in (tmp_path / "run/rollouts").glob("*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert records and max(r["tail_version"] for r in records) <= 3
+    assert {r["start_version"] for r in records} >= {0, 1}
+    assert (tmp_path / "run/plot.png").stat().st_size > 0
+    assert (tmp_path / "run/config.yaml").is_file()
+    assert processes_mentioning(str(model_dir)) == []  # both servers are gone
+
+
+def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
+    run = tmp_path / "run"
+    first = run_train_job(small_config(model_dir, run, total_steps=2, checkpoint_every=1),
+                          reward_fn=digit_reward)
+    assert first.steps == 2
+    cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1)
+    second = run_train_job(cfg, resume_dir=run, reward_fn=digit_reward)
+    assert second.steps == 4
+    steps = [m["step"] for m in metrics(run) if "reward/mean" in m]
+    assert steps == [1, 2, 3, 4]
+    state = json.loads((run / "checkpoints/step_000004/state.json").read_text())
+    assert state["step"] == 4 and state["version"] == 4 and state["data_position"] > 0
+    elapsed = [m["time/elapsed_s"] for m in metrics(run) if "reward/mean" in m]
+    assert elapsed == sorted(elapsed)  # the time axis continues across the resume
+
+
+def _start_train(model_dir, out, *extra):
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", f"model.path={model_dir}",
+           f"output_dir={out}", "reward=train_helpers:digit_reward", "inference.mode=local",
+           "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
+           "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
+           "filter_uniform_groups=false", "eval.every=0", "logging.tensorboard=false",
+           "checkpoint_every=0", "inference.max_num_seqs=32", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _wait_for_step(run, step, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = Path(run) / "metrics.jsonl"
+        if path.is_file() and any(m.get("step", 0) >= step and "reward/mean" in m
+                                  for m in metrics(run)):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"train exited early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"no step {step} within {timeout}s")
+
+
+def test_ctrl_c_checkpoints_stops_servers_and_resume_continues(model_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = _start_train(model_dir, run, "total_steps=1000")
+    _wait_for_step(run, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped_by=interrupted" in out
+    assert processes_mentioning(str(model_dir)) == []
+    done = max(m["step"] for m in metrics(run))
+    assert (run / "checkpoints" / f"step_{done:06d}" / "policy/model.safetensors").is_file()
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    resumed = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run),
+         f"total_steps={done + 2}"], capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [m["step"] for m in metrics(run) if "reward/mean" in m]
+    assert steps == list(range(1, done + 3))
+    assert processes_mentioning(str(model_dir)) == []
+
+
+def test_sigkill_of_the_trainer_takes_the_servers_down(model_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = _start_train(model_dir, run, "total_steps=1000", "inference.num_servers=2")
+    _wait_for_step(run, 1, proc)
+    assert len(processes_mentioning(str(model_dir))) >= 3  # trainer + 2 servers
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(model_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(model_dir)) == []
+
+
+def test_bad_train_config_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "rollout.batch_sise=4"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "did you mean 'batch_size'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "--resume",
+                          str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no config.yaml" in out.stderr
+
+
+def test_temperature_mismatch_is_rejected():
+    with pytest.raises(ValueError, match="train.temperature=1.0 must equal gconfig.temperature"):
+        TrainRunConfig.from_dict({"gconfig": {"temperature": 0.7}})
