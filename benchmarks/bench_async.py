@@ -24,6 +24,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import math
 import os
 import time
@@ -61,8 +62,12 @@ QUICK = {"devices": "4,16", "weak_prompts_per_device": 4, "etas": "0,2,4", "spli
 
 
 def run_real(args: argparse.Namespace) -> None:
-    """Time to --target-accuracy of the real loop, eta = 0 vs each of --etas (to be wired)."""
-    raise SystemExit("--mode real: not wired yet")
+    """Time to --target-accuracy of the real loop, eta = 0 vs each of --etas."""
+    from async_real import run_real_benchmark
+
+    etas = ints(args.etas) if args.etas else [0, 2, 4]
+    run_real_benchmark(etas, args.target_accuracy, args.max_seconds, args.config, args.set,
+                       Path(args.out))
 
 
 # ---- simulation --------------------------------------------------------------------------------
@@ -269,6 +274,10 @@ def main() -> None:
     real.add_argument("--target-accuracy", type=float, default=None,
                       help="held-out greedy accuracy to reach (real mode)")
     real.add_argument("--max-seconds", type=float, default=600.0, help="budget per eta (real)")
+    real.add_argument("--config", default=None, help="train config YAML (default: the main job)")
+    real.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="train config override, repeatable (e.g. --set eval.every=5)")
+    real.add_argument("--out", default="runs/bench_async", help="run directories go here")
     sim = ap.add_argument_group("sim mode")
     sim.add_argument("--devices", default="4,8,16,32,64", help="total devices (comma-separated)")
     sim.add_argument("--splits", default="0.5,0.625,0.75,0.875",
