@@ -238,6 +238,39 @@ def test_unsupported_weight_updates_are_value_errors():
     engine.close()
 
 
+def test_weight_update_route_posts_the_directory_to_a_custom_route():
+    """vLLM has no stock route that loads weights; a configured one gets {path, version}."""
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    app, seen = FastAPI(), []
+
+    @app.post("/reload")
+    async def reload(body: dict):
+        seen.append(body)
+        return {"ok": True}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        engine = RemoteInferenceEngine(RemoteEngineConfig(
+            addresses=[f"http://127.0.0.1:{port}"], backend="vllm", weight_update_route="/reload"))
+        asyncio.run(engine.update_weights(WeightUpdateMeta.from_disk("/ckpt/v3", 3)))
+        engine.close()
+        assert seen == [{"path": "/ckpt/v3", "version": 3}] and engine.get_version() == 3
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    with pytest.raises(ValueError, match="weight_update_route"):
+        RemoteEngineConfig(addresses=["http://x:1"], weight_update_route="reload")
+
+
 # ---- real servers -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,10 @@ class RemoteEngineConfig(Config):
     health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
     max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
     api_key: str | None = None  # bearer token for control and weight endpoints
+    # POST route that loads a weights directory, body {"path": ..., "version": ...}. Replaces the
+    # backend's own disk-update route; needed for vLLM, whose stock server has none (run it with
+    # a weight-reload route, as RL frameworks built on vLLM do).
+    weight_update_route: str | None = pydantic.Field(None, pattern=r"^/")
     max_connections: int = pydantic.Field(1024, ge=1)  # per event loop
     sticky_capacity: int = pydantic.Field(100_000, ge=0)  # request ids remembered for stickiness
 
@@ -361,10 +365,14 @@ class RemoteInferenceEngine:
     def _weight_jobs(self, meta: WeightUpdateMeta, named_tensors: Any) -> dict[ServerState, Any]:
         servers = self.pool.servers
         if meta.kind == WeightUpdateKind.DISK:
-            call = self.backend.disk_update_call(meta.path, meta.version)
+            call = (HttpCall("POST", self.cfg.weight_update_route,
+                             json={"path": meta.path, "version": meta.version})
+                    if self.cfg.weight_update_route
+                    else self.backend.disk_update_call(meta.path, meta.version))
             if call is None:
                 raise ValueError(f"kind=disk is not supported by backend={self.backend.name!r}: "
-                                 "its server has no endpoint that loads weights from a path")
+                                 "its server has no endpoint that loads weights from a path; "
+                                 "set weight_update_route to the route your servers expose")
             timeout = self.cfg.control_timeout_s
             return {s: self._request(s, call, timeout) for s in servers}
         if meta.kind == WeightUpdateKind.TENSORS:
