@@ -64,6 +64,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
+    import os
+
     from asyncrl.launch.train import TrainRunConfig, load_run_config, run_train_job
 
     path, overrides = _split_config_and_overrides(ns.args)
@@ -78,6 +80,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     else:
         cfg = TrainRunConfig.load(path, overrides)
     result = run_train_job(cfg, resume_dir=ns.resume)
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # torchrun: rank 0 reports for the group
     acc = ("n/a" if result.final_accuracy is None else f"{result.final_accuracy:.4f}")
     start = ("n/a" if result.initial_accuracy is None else f"{result.initial_accuracy:.4f}")
     print(f"run_dir={result.run_dir} steps={result.steps} initial_accuracy={start} "

@@ -40,6 +40,9 @@ class Config(pydantic.BaseModel):
 
     @classmethod
     def from_dict(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
+        """Validate `data` laid over this class's defaults, so `train: {optimizer: {lr: 1e-4}}`
+        changes only the learning rate and keeps the other values the preset chose."""
+        data = merge_over_defaults(cls, data)
         try:
             return cls.model_validate(data)
         except pydantic.ValidationError as err:
@@ -63,6 +66,26 @@ class Config(pydantic.BaseModel):
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(self.to_yaml())
+
+
+def _merge(base: Any, over: Any) -> Any:
+    if not (isinstance(base, dict) and isinstance(over, dict)):
+        return over
+    if "kind" in over and base.get("kind") != over["kind"]:
+        return over  # another member of a tagged union: its own defaults apply
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(base[key], value) if key in base else value
+    return out
+
+
+def merge_over_defaults(cls: type[Config], data: dict[str, Any]) -> dict[str, Any]:
+    """`data` deep-merged over `cls()`'s values (as is, when the class has required fields)."""
+    try:
+        defaults = cls().model_dump(mode="python")
+    except pydantic.ValidationError:
+        return data
+    return _merge(defaults, data)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -124,3 +124,16 @@ def test_tagged_union_errors_use_the_users_path_and_hint():
     with pytest.raises(ConfigError) as err:
         ZooCfg.load(None, ["animal.kind=dog", "animal.brak=arf"])
     assert "unknown key 'animal.brak'; did you mean 'bark'?" in str(err.value)
+
+
+def test_partial_nested_override_keeps_the_preset_values():
+    from asyncrl.launch.train_config import TrainRunConfig
+
+    preset = TrainRunConfig()
+    cfg = TrainRunConfig.load(None, ["train.optimizer.lr=1e-5", "rollout.batch_size=4"])
+    assert cfg.train.optimizer.lr == 1e-5
+    assert cfg.train.optimizer.warmup_steps == preset.train.optimizer.warmup_steps == 5
+    assert cfg.rollout.max_head_offpolicyness == preset.rollout.max_head_offpolicyness == 2
+    # switching a tagged union member takes that member's own defaults, not the old member's keys
+    cfg = TrainRunConfig.load(None, ["data.kind=gsm8k", "data.path=x.jsonl"])
+    assert cfg.data.kind == "gsm8k" and cfg.data.path == "x.jsonl"

@@ -58,3 +58,19 @@ def test_roundtrip_any_integer(n, commas):
     assert extract_final_answer(f"so the result is {shown}.") == str(n)
     assert exact_answer_reward(f"#### {shown}", str(n)) == 1.0
     assert exact_answer_reward(f"#### {n + 1}", str(n)) == 0.0
+
+
+def test_digit_match_reward_partial_credit():
+    from asyncrl.reward.exact import digit_match_reward
+
+    assert digit_match_reward("167", "167") == 1.0
+    assert digit_match_reward("the sum is 167.0", "167") == 1.0
+    assert digit_match_reward("165", "167") == pytest.approx(0.5 * 2 / 3)  # units digit wrong
+    assert digit_match_reward("67", "167") == pytest.approx(0.5 * 2 / 3)  # missing hundreds
+    assert digit_match_reward("1167", "167") == pytest.approx(0.5 * 3 / 4)
+    assert digit_match_reward("761", "167") == pytest.approx(0.5 * 1 / 3)
+    assert digit_match_reward("no number", "167") == 0.0
+    assert digit_match_reward("-167", "167") == 0.0
+    assert digit_match_reward("#### Paris", "Paris") == 1.0
+    assert digit_match_reward("#### Rome", "Paris") == 0.0
+    assert digit_match_reward("165", "167", partial_weight=0.0) == 0.0

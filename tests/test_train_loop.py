@@ -168,3 +168,42 @@ def test_bad_train_config_is_one_line(tmp_path):
 def test_temperature_mismatch_is_rejected():
     with pytest.raises(ValueError, match="train.temperature=1.0 must equal gconfig.temperature"):
         TrainRunConfig.from_dict({"gconfig": {"temperature": 0.7}})
+
+
+def test_example_configs_validate_and_multi_turn_runs(model_dir, tmp_path):
+    root = TESTS.parent / "configs"
+    for name in ("train_tiny.yaml", "train_multiturn.yaml", "train_gsm8k_vllm.yaml"):
+        TrainRunConfig.load(str(root / name), [])
+    cfg = TrainRunConfig.load(str(root / "train_multiturn.yaml"), [
+        f"model.path={model_dir}", f"output_dir={tmp_path / 'mt'}", "total_steps=2",
+        "max_train_seconds=null", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
+        "rollout.batch_size=2", "rollout.max_concurrent_rollouts=4", "filter_uniform_groups=false",
+        "eval.every=0", "logging.tensorboard=false", "inference.max_num_seqs=16"])
+    result = run_train_job(cfg, reward_fn=digit_reward)
+    assert result.steps == 2
+    rows = [m for m in metrics(tmp_path / "mt") if "reward/mean" in m]
+    assert [m["batch/samples"] for m in rows] == [4.0, 4.0]  # 2 groups x 2 episodes
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_trainer_ranks(model_dir, tmp_path):
+    """FSDP2 across 2 gloo ranks: rank 0 leads (engine, executor, logs), rank 1 follows."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "-m", "asyncrl.cli", "train", f"model.path={model_dir}",
+           f"output_dir={run}", "reward=train_helpers:digit_reward", "total_steps=2",
+           "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
+           "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
+           "filter_uniform_groups=false", "eval.every=0", "logging.tensorboard=false",
+           "checkpoint_every=2", "inference.max_num_seqs=32", "torch_threads=1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [m for m in metrics(run) if "reward/mean" in m]
+    assert [m["policy/version"] for m in rows] == [1.0, 2.0]
+    before = load_file(str(Path(model_dir) / "model.safetensors"))
+    after = load_file(str(run / "checkpoints/step_000002/policy/model.safetensors"))
+    assert any(float((after[k] - before[k]).abs().max()) > 0 for k in before)
+    assert (run / "checkpoints/step_000002/trainer").is_dir()
+    assert out.stdout.count("run_dir=") == 1  # only rank 0 reports

@@ -1,6 +1,7 @@
 """Reward functions by name, for configs and the command line.
 
-`reward: exact` (the final number must equal the answer), `reward: math` (math-verify, run in a
+`reward: exact` (the final number must equal the answer), `reward: digits` (exact, or
+partial credit for matching digit places), `reward: math` (math-verify, run in a
 reward process pool because it needs a main thread and may hang on odd input), or a dotted path
 `package.module:function` to the user's own `reward(completion_text, row) -> float` (sync or async).
 Each name opens a context manager, so rewards that own processes shut them down with the run.
@@ -25,6 +26,13 @@ def exact_reward() -> Iterator[RewardFn]:
 
 
 @contextlib.contextmanager
+def digits_reward() -> Iterator[RewardFn]:
+    from asyncrl.reward.exact import digit_match_reward
+
+    yield answer_reward(digit_match_reward)
+
+
+@contextlib.contextmanager
 def math_reward() -> Iterator[RewardFn]:
     """math-verify in a RewardPool: it needs a main thread (SIGALRM) and may hang on odd input."""
     from asyncrl.reward.math_verify import math_answer_reward
@@ -39,6 +47,7 @@ def math_reward() -> Iterator[RewardFn]:
 
 REWARDS: dict[str, Callable[[], contextlib.AbstractContextManager[RewardFn]]] = {
     "exact": exact_reward,
+    "digits": digits_reward,
     "math": math_reward,
 }
 

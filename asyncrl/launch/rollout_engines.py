@@ -11,6 +11,7 @@ two versions), streams the weights in buckets or has the servers load a director
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -29,12 +30,14 @@ class RolloutEngines:
         self.weights_dir, self.urls = weights_dir, urls or []
 
     async def push(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                   model: Any = None, tokenizer: Any = None) -> None:
-        """Every engine serves `version` when this returns (disk sync needs `model`)."""
+                   hf_config: Any = None, tokenizer: Any = None) -> None:
+        """Every engine serves `version` when this returns (disk sync needs `hf_config`)."""
         if self.cfg.weight_sync == "disk":
-            from asyncrl.train.weight_sync import save_weights_dir
+            from asyncrl.train.weight_sync import save_state_dict_dir
 
-            path = save_weights_dir(model, self.weights_dir / f"v{version}", tokenizer)
+            path = save_state_dict_dir(state_dict, hf_config, self.weights_dir / f"v{version}",
+                                       tokenizer)
+            _remove_older(self.weights_dir, version)
             meta = WeightUpdateMeta.from_disk(str(path), version)
             payload: dict[str, Any] = {}
         else:
@@ -49,6 +52,13 @@ class RolloutEngines:
             await self.engine.update_weights(meta, **payload)
         finally:
             self.engine.resume()
+
+
+def _remove_older(weights_dir: Path, version: int) -> None:
+    """Disk sync keeps the newest two weight directories (one may still be loading)."""
+    for old in weights_dir.glob("v*"):
+        if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -37,15 +37,22 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer: Any,
                         keep: int) -> Path:
-    from asyncrl.models.tiny import save_model_dir
+    """Every trainer rank calls this (the weights are gathered and saved collectively);
+    rank 0 writes the files."""
+    from asyncrl.train.weight_sync import save_state_dict_dir
 
     final = step_dir(run_dir, state.step)
     tmp = final.parent / f".{final.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_model_dir(trainer.model, tokenizer, tmp / "policy")
+    weights = trainer.model_state_dict()  # full on rank 0 (collective under FSDP)
+    writer = trainer.rank == 0
+    if writer:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        save_state_dict_dir(weights, trainer.model.config, tmp / "policy", tokenizer)
     trainer.save(tmp / "trainer", extra_state={"loop": asdict(state)})
+    if not writer:
+        return final
     (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
     if final.exists():
         shutil.rmtree(final)

@@ -33,22 +33,16 @@ from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rewards import open_reward
 from asyncrl.launch.rollout_engines import RolloutEngines, open_rollout_engines
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
-from asyncrl.launch.run_checkpoints import (
-    LoopState,
-    latest_checkpoint,
-    load_loop_state,
-    save_run_checkpoint,
-)
+from asyncrl.launch.run_checkpoints import LoopState, latest_checkpoint, load_loop_state
 from asyncrl.launch.run_logger import RunLogger
 from asyncrl.launch.train_config import MultiTurnWorkflowConfig, TrainRunConfig
+from asyncrl.launch.trainer_group import TrainerGroup, broadcast, is_distributed, load_engine, rank
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.group import GroupedWorkflow
 from asyncrl.rollout.multi_turn import MultiTurnConfig, MultiTurnWorkflow
 from asyncrl.rollout.reward_call import RewardFn
 from asyncrl.rollout.rlvr import RLVRWorkflow
-from asyncrl.train.engine import HFTrainEngine
-from asyncrl.train.ppo_actor import PPOActor
 
 CONFIG_FILE = "config.yaml"
 
@@ -129,13 +123,35 @@ class RLJob:
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        """Under torchrun every rank calls this; rank 0 leads, the others follow its trainer."""
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.save(self.run_dir / CONFIG_FILE)
+        if is_distributed():
+            from asyncrl.train.fsdp import init_distributed
+
+            init_distributed()
+        leader = rank() == 0
+        if leader:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / CONFIG_FILE)
         torch.manual_seed(cfg.seed)
         set_threads(cfg)
-        state, policy_dir = self._initial_state()
+        # rank 0 decides (and may run the SFT warm start); the others are told the paths
+        state, policy_dir, self.ckpt, self.base = broadcast(self._initial_state() if leader
+                                                            else None)
         tokenizer = load_tokenizer(policy_dir)
+        group = self._build_trainer(policy_dir, tokenizer)
+        if not leader:
+            group.follow()
+            return self.result
+        try:
+            self._lead(state, policy_dir, tokenizer, group)
+        finally:
+            group.stop()
+        return self.result
+
+    def _lead(self, state: LoopState, policy_dir: Path, tokenizer: Any,
+              group: TrainerGroup) -> None:
+        cfg = self.cfg
         dataset = cfg.data.build()
         self.eval_rows = dataset.eval_rows()[: cfg.eval.size]
         with contextlib.ExitStack() as stack:
@@ -145,7 +161,6 @@ class RLJob:
             engines = stack.enter_context(open_rollout_engines(
                 cfg.inference, policy_dir, self.run_dir / "logs",
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True)))
-            trainer, actor = self._build_trainer(policy_dir, state)
             rollout_cfg = cfg.rollout.model_copy(
                 update={"dump_dir": cfg.rollout.dump_dir or str(self.run_dir / "rollouts")})
             executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg))
@@ -157,45 +172,42 @@ class RLJob:
             progress = stack.enter_context(TrainProgress(
                 cfg.total_steps, cfg.max_train_seconds, self.console, start_step=state.step))
             stop = stack.enter_context(StopRequest())
-            loop = _Loop(self, state, tokenizer, reward_fn, engines, trainer, actor, executor,
-                         stream, logger, progress, stop)
-            loop.run()
-        return self.result
+            _Loop(self, state, tokenizer, reward_fn, engines, group, executor, stream, logger,
+                  progress, stop).run()
 
-    def _initial_state(self) -> tuple[LoopState, Path]:
+    def _initial_state(self) -> tuple[LoopState, Path, Path | None, Path]:
+        """(loop state, weights the engines start from, checkpoint to load, base model)."""
+        base = resolve_base_model(self.cfg, self.console)
         if self.resume:
             ckpt = latest_checkpoint(self.run_dir)
             state = load_loop_state(ckpt)
             self.console.print(f"resuming {self.run_dir} from {ckpt.name} (step {state.step})")
-            self.ckpt: Path | None = ckpt
-            return state, ckpt / "policy"
-        self.ckpt = None
-        return LoopState(0, 0, 0, 0.0, 0.0), resolve_base_model(self.cfg, self.console)
+            return state, ckpt / "policy", ckpt, base
+        return LoopState(0, 0, 0, 0.0, 0.0), base, None, base
 
-    def _build_trainer(self, policy_dir: Path, state: LoopState) -> tuple[HFTrainEngine, PPOActor]:
+    def _build_trainer(self, policy_dir: Path, tokenizer: Any) -> TrainerGroup:
         cfg = self.cfg
         train_cfg = cfg.train.model_copy(update={"total_steps": cfg.total_steps})
-        trainer = HFTrainEngine.from_pretrained(policy_dir, train_cfg, dtype=cfg.model.dtype)
+        trainer = load_engine(policy_dir, train_cfg, cfg.model.dtype)
         if self.ckpt is not None:
             trainer.load(self.ckpt / "trainer")
         ref = None
         if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
-            base = resolve_base_model(cfg, self.console)
-            ref = HFTrainEngine.from_pretrained(
-                base, train_cfg.model_copy(update={"trainable": False}), dtype=cfg.model.dtype)
-        return trainer, PPOActor(trainer, cfg.actor, ref)
+            ref = load_engine(self.base, train_cfg.model_copy(update={"trainable": False}),
+                              cfg.model.dtype)
+        return TrainerGroup(trainer, cfg.actor, ref, tokenizer)
 
 
 class _Loop:
     """One run's mutable state; `run` is the loop of the module docstring."""
 
     def __init__(self, job: RLJob, state: LoopState, tokenizer: Any, reward_fn: Any,
-                 engines: RolloutEngines, trainer: HFTrainEngine, actor: PPOActor,
-                 executor: WorkflowExecutor, stream: DataStream, logger: RunLogger,
-                 progress: TrainProgress, stop: StopRequest) -> None:
+                 engines: RolloutEngines, group: TrainerGroup, executor: WorkflowExecutor,
+                 stream: DataStream, logger: RunLogger, progress: TrainProgress,
+                 stop: StopRequest) -> None:
         self.job, self.cfg, self.state = job, job.cfg, state
         self.tokenizer, self.reward_fn, self.engines = tokenizer, reward_fn, engines
-        self.trainer, self.actor, self.executor = trainer, actor, executor
+        self.group, self.trainer, self.executor = group, group.trainer, executor
         self.stream, self.logger, self.progress, self.stop = stream, logger, progress, stop
         self.monitor = RolloutMonitor(self.cfg.filter_uniform_groups)
         self.workflow = build_workflow(self.cfg, reward_fn, tokenizer)
@@ -267,11 +279,11 @@ class _Loop:
         t1 = time.perf_counter()
         version = self.trainer.get_version()
         metrics = batch_metrics(trajs, version)
-        metrics.update(self.actor.train_step(trajs))
+        metrics.update(self.group.train_step(trajs))
         t2 = time.perf_counter()
         new_version = self.trainer.get_version()
-        self.executor.run(self.engines.push(self.trainer.model_state_dict(), new_version,
-                                            self.trainer.model, self.tokenizer))
+        self.executor.run(self.engines.push(self.group.state_dict(), new_version,
+                                            self.trainer.model.config, self.tokenizer))
         self.executor.set_version(new_version)
         t3 = time.perf_counter()
         self.state.step += 1
@@ -310,8 +322,7 @@ class _Loop:
 
     def checkpoint(self) -> None:
         self.state.data_position = self.stream.position
-        path = save_run_checkpoint(self.job.run_dir, self.state, self.trainer, self.tokenizer,
-                                   keep=3)
+        path = self.group.checkpoint(self.job.run_dir, self.state, keep=3)
         self.progress.message(f"checkpoint {path}")
 
 

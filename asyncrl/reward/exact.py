@@ -49,3 +49,24 @@ def exact_answer_reward(response: str, answer: str) -> float:
     if want is not None and got is not None:
         return 1.0 if want == got else 0.0
     return 1.0 if predicted.strip() == reference else 0.0
+
+
+def digit_match_reward(response: str, answer: str, partial_weight: float = 0.5) -> float:
+    """Partial credit for integer answers: 1.0 when exact, else `partial_weight` times the share
+    of digit places (aligned from the units) that match, over the longer of the two numbers.
+
+    "167" vs reference "167" -> 1.0; "165" -> 0.5 * 2/3; "67" -> 0.5 * 2/3; no number -> 0.0.
+    A denser signal than exact match for small models that get most digits right; the optimum is
+    still the exact answer. Non-integer references fall back to exact_answer_reward.
+    """
+    if exact_answer_reward(response, answer):
+        return 1.0
+    predicted = extract_final_answer(response)
+    reference = str(answer).strip().replace(",", "")
+    if predicted is None or not reference.lstrip("-").isdigit() or not predicted.lstrip("-").isdigit():
+        return 0.0
+    if predicted.startswith("-") != reference.startswith("-"):
+        return 0.0
+    a, b = predicted.lstrip("-")[::-1], reference.lstrip("-")[::-1]
+    same = sum(x == y for x, y in zip(a, b))
+    return partial_weight * same / max(len(a), len(b))

@@ -6,6 +6,7 @@ EOS. Batches are drawn with a seeded generator, so a run is reproducible from it
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,12 @@ class SFTConfig(Config):
     eval_max_new_tokens: int = pydantic.Field(16, ge=1)
     log_every: int = pydantic.Field(10, ge=1)
     seed: int = 0
+    # Systematically biased demonstrations: this fraction of training rows (chosen by a seeded
+    # hash of the row id) shows integer answers shifted by `label_noise_offset`. A model trained
+    # on them knows the arithmetic but has learned a wrong habit, which a verifier-driven RL
+    # run can correct; 0 trains on clean labels. Held-out evaluation always uses true answers.
+    label_noise: float = pydantic.Field(0.0, ge=0.0, le=1.0)
+    label_noise_offset: int = 1
 
 
 @dataclass
@@ -42,6 +49,25 @@ def reply_text(row: dict[str, Any]) -> str:
     if row.get("solution"):
         return f"{row['solution'].rstrip()}\n#### {row['answer']}"
     return str(row["answer"])
+
+
+def _noisy(row_id: Any, seed: int, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{seed}:{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def with_label_noise(rows: list[dict[str, Any]], fraction: float, offset: int,
+                     seed: int = 0) -> list[dict[str, Any]]:
+    """Copies of `rows` where a seeded `fraction` of integer answers is shifted by `offset`."""
+    if fraction <= 0:
+        return list(rows)
+    out = []
+    for row in rows:
+        answer = str(row["answer"]).strip()
+        if answer.lstrip("-").isdigit() and _noisy(row.get("id"), seed, fraction):
+            row = {**row, "answer": str(int(answer) + offset)}
+        out.append(row)
+    return out
 
 
 def build_examples(tokenizer: Any, rows: list[dict[str, Any]]) -> list[SFTExample]:

@@ -76,6 +76,28 @@ def save_weights_dir(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any
     return out
 
 
+def save_state_dict_dir(state_dict: Mapping[str, torch.Tensor], hf_config: Any,
+                        out_dir: str | Path, tokenizer: Any = None) -> Path:
+    """A HF directory from full weights (e.g. gathered from FSDP shards): config.json,
+    model.safetensors (tied tensors stored once), and the tokenizer when given."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(out)
+    seen, tensors = set(), {}
+    for name, t in state_dict.items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue  # a tied alias (lm_head = embed_tokens); the config re-ties it on load
+        seen.add(key)
+        tensors[name] = t.detach().to("cpu").contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
 def sync_via_disk(
     urls: Sequence[str], model: torch.nn.Module, out_dir: str | Path, version: int,
     tokenizer: Any = None, api_key: str | None = None, timeout: float = 300.0,

@@ -1,0 +1,100 @@
+"""The trainer as one process or as a torchrun group (FSDP2), behind one object.
+
+Under torchrun, rank 0 runs everything a job has besides training (engines, executor, eval, logs)
+and drives the other ranks: before each collective trainer operation it broadcasts a command
+(train this batch / gather the weights / write a checkpoint / stop), and the other ranks sit in
+`follow()` executing the same operations in the same order, which is what FSDP's collectives
+need. With one process the commands are plain calls.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.api import Trajectory
+from asyncrl.launch.run_checkpoints import LoopState, save_run_checkpoint
+from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
+from asyncrl.train.ppo_actor import PPOActor, PPOActorConfig
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_distributed() -> bool:
+    return world_size() > 1
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str) -> HFTrainEngine:
+    """HFTrainEngine on one process, FSDPTrainEngine (sharded) under torchrun."""
+    if not is_distributed():
+        return HFTrainEngine.from_pretrained(path, cfg, dtype=dtype)
+    from asyncrl.models.loading import load_causal_lm
+    from asyncrl.train.fsdp import FSDPTrainEngine, init_distributed
+
+    init_distributed()
+    return FSDPTrainEngine(load_causal_lm(path, dtype=dtype), cfg)
+
+
+def broadcast(obj: Any) -> Any:
+    """rank 0's `obj` on every rank (a no-op on one process)."""
+    if not is_distributed():
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class TrainerGroup:
+    def __init__(self, trainer: HFTrainEngine, actor_cfg: PPOActorConfig,
+                 ref: HFTrainEngine | None, tokenizer: Any) -> None:
+        self.trainer, self.tokenizer = trainer, tokenizer
+        self.actor = PPOActor(trainer, actor_cfg, ref)
+        self.distributed = is_distributed()
+
+    def _command(self, name: str, payload: Any = None) -> None:
+        if self.distributed:
+            broadcast((name, payload))
+
+    # ---- rank 0 ---------------------------------------------------------------------------------
+    def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
+        self._command("train", trajs)
+        return self.actor.train_step(trajs)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights (on rank 0)."""
+        self._command("state_dict")
+        return self.trainer.model_state_dict()
+
+    def checkpoint(self, run_dir: Path, state: LoopState, keep: int) -> Path:
+        self._command("checkpoint", (run_dir, state, keep))
+        return save_run_checkpoint(run_dir, state, self.trainer, self.tokenizer, keep)
+
+    def stop(self) -> None:
+        self._command("stop")
+
+    # ---- ranks > 0 ------------------------------------------------------------------------------
+    def follow(self) -> None:
+        """Mirror rank 0's collective operations until it sends stop."""
+        while True:
+            name, payload = broadcast(None)
+            if name == "train":
+                self.actor.train_step(payload)
+            elif name == "state_dict":
+                self.trainer.model_state_dict()
+            elif name == "checkpoint":
+                save_run_checkpoint(*payload[:2], self.trainer, self.tokenizer, payload[2])
+            elif name == "stop":
+                return
+            else:
+                raise RuntimeError(f"unknown trainer command {name!r} from rank 0")
