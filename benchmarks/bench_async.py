@@ -65,8 +65,7 @@ def run_real(args: argparse.Namespace) -> None:
     """Time to --target-accuracy of the real loop, eta = 0 vs each of --etas."""
     from async_real import run_real_benchmark
 
-    etas = ints(args.etas) if args.etas else [0, 2, 4]
-    run_real_benchmark(etas, args.target_accuracy, args.max_seconds, args.config, args.set,
+    run_real_benchmark(args.etas, args.target_accuracy, args.max_seconds, args.config, args.set,
                        Path(args.out))
 
 

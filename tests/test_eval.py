@@ -394,7 +394,7 @@ def test_open_reward_names_dotted_paths_and_errors():
         assert reward("the answer is 12", {"answer": "12"}) == 1.0
     with open_reward("asyncrl.reward.exact:exact_answer_reward") as reward:
         assert reward("12", "12") == 1.0
-    for bad, words in (("nope", "allowed: exact, math"), ("no_such_mod:f", "cannot import"),
+    for bad, words in (("nope", "allowed: exact, digits, math"), ("no_such_mod:f", "cannot import"),
                        ("asyncrl.reward.exact:missing", "has no 'missing'")):
         with pytest.raises(UserError, match=words):
             with open_reward(bad):

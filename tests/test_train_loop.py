@@ -80,9 +80,12 @@ def test_short_loop_through_two_http_servers(model_dir, tmp_path):
 
 def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     run = tmp_path / "run"
-    first = run_train_job(small_config(model_dir, run, total_steps=2, checkpoint_every=1),
+    first = run_train_job(small_config(model_dir, run, total_steps=2, checkpoint_every=1,
+                                       **{"inference.weight_sync": "disk"}),
                           reward_fn=digit_reward)
     assert first.steps == 2
+    # disk sync: each version written as a HF dir, only the newest two kept
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["v1", "v2"]
     cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1)
     second = run_train_job(cfg, resume_dir=run, reward_fn=digit_reward)
     assert second.steps == 4

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ def _remove_older(weights_dir: Path, version: int) -> None:
 @contextlib.contextmanager
 def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_dir: Path,
                          detokenize: Any = None) -> Iterator[RolloutEngines]:
-    weights_dir = Path(tempfile.mkdtemp(prefix="weights-", dir=log_dir.parent))
+    weights_dir = log_dir.parent / "weights"  # disk sync only; created on first use
     if cfg.mode == "inprocess":
         from asyncrl.inference.async_engine import AsyncLLMEngine
         from asyncrl.inference.engine import EngineConfig

@@ -249,6 +249,7 @@ class _Loop:
         cfg, state = self.cfg, self.state
         if cfg.eval.every and state.step % cfg.eval.every and state.step > 0:
             metrics = self.evaluate_and_log()
+            metrics.update({"time/elapsed_s": state.train_seconds, "policy/version": state.version})
             self.logger.log(state.step, metrics, force=True)
         state.wall_seconds = time.perf_counter() - wall0
         if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
