@@ -5,8 +5,8 @@ weight sync -> version + 1 -> resume` against N virtual inference servers and re
 utilisation and the staleness actually consumed. Admission and consumption are NOT modelled here:
 they are the real `asyncrl.rollout.staleness.StalenessManager` (capacity rule, oldest-start-first
 consumption, trajectories staler than eta dropped and their prompts re-queued at the front), driven
-the way `WorkflowExecutor.prepare_batch` drives it (by default the pending queue is topped up
-only while the trainer waits for a batch, as today; `SimConfig.refill` models alternatives).
+the way `WorkflowExecutor.prepare_batch` drives it (by default the pending queue is topped up on
+every prepare_batch call, as the executor does; `SimConfig.refill` models alternatives).
 
 Hardware model (all times virtual seconds, nothing sleeps):
 - a server decodes its running sequences together, one token each per step of a + b * batch
@@ -45,8 +45,8 @@ class Placement(str, Enum):
 class Refill(str, Enum):
     """When the trainer side tops the rollout queue up to max_concurrent_rollouts."""
 
-    WHEN_SHORT = "when_short"  # WorkflowExecutor.prepare_batch today: only while < batch ready
-    EVERY_CALL = "every_call"  # on every prepare_batch call, also when a batch is already ready
+    WHEN_SHORT = "when_short"  # the executor before this model found its cost: only while short
+    EVERY_CALL = "every_call"  # WorkflowExecutor.prepare_batch now: every call, also when ready
     CONTINUOUS = "continuous"  # whenever not paused, training included
 
     def __str__(self) -> str:
@@ -86,7 +86,7 @@ class SimConfig:
     steps: int = 16
     warmup_steps: int = 2  # excluded from the throughput window (pipeline fill)
     resample_on_drop: bool = True  # a dropped prompt draws new lengths (False: same lengths again)
-    refill: Refill = Refill.WHEN_SHORT
+    refill: Refill = Refill.EVERY_CALL
     seed: int = 0
 
     def __post_init__(self) -> None:

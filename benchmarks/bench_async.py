@@ -48,7 +48,7 @@ SIM_HELP = {  # SimConfig fields exposed as flags (eta and devices are lists, gi
     "train_tps": "trained tokens/s per training device", "sync_s": "weight-sync pause per step",
     "steps": "training steps simulated", "warmup_steps": "steps excluded from the rates",
     "resample_on_drop": "a dropped prompt draws new lengths (--no-...: the same lengths again)",
-    "refill": "when the rollout queue is topped up (when_short = WorkflowExecutor today)",
+    "refill": "when the rollout queue is topped up (every_call = WorkflowExecutor today)",
     "seed": "length sampling seed",
 }
 
@@ -185,15 +185,17 @@ def tail_table(base: SimConfig, args: argparse.Namespace, res: dict) -> None:
     make_console().print(t)
 
 
-REFILL_TEXT = {Refill.WHEN_SHORT: "when_short (executor today)", Refill.EVERY_CALL: "every_call",
+REFILL_TEXT = {Refill.WHEN_SHORT: "when_short (old executor)",
+               Refill.EVERY_CALL: "every_call (executor today)",
                Refill.CONTINUOUS: "continuous"}
 
 
 def refill_table(base: SimConfig, args: argparse.Namespace, res: dict) -> None:
     eta = max(args.etas)
     t = Table(title=f"Speedup by rollout-queue refill policy (eta={eta}, best split). when_short: "
-                    "prepare_batch submits only while fewer than a batch are ready (today's "
-                    "WorkflowExecutor); every_call: also when a batch is ready; continuous: "
+                    "prepare_batch submits only while fewer than a batch are ready (the first "
+                    "WorkflowExecutor); every_call: also when a batch is ready (today's "
+                    "executor); continuous: "
                     "also during training", title_justify="left")
     t.add_column("devices", justify="right")
     for refill in Refill:
