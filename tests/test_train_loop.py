@@ -86,9 +86,13 @@ def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     assert first.steps == 2
     # disk sync: each version written as a HF dir, only the newest two kept
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v1", "v2"]
-    cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1)
+    # the resumed part also runs the KL-to-reference path and pass@k evals
+    cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1,
+                       **{"actor.ppo.kl_coef": 0.05, "eval.pass_k": [2]})
     second = run_train_job(cfg, resume_dir=run, reward_fn=digit_reward)
     assert second.steps == 4
+    late = [m for m in metrics(run) if m["step"] > 2]
+    assert any("actor/kl_ref" in m for m in late) and any("eval/pass@2" in m for m in late)
     steps = [m["step"] for m in metrics(run) if "reward/mean" in m]
     assert steps == [1, 2, 3, 4]
     state = json.loads((run / "checkpoints/step_000004/state.json").read_text())
