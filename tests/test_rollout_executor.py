@@ -196,3 +196,19 @@ def test_property_no_trajectory_older_than_eta_is_trained(eta, batch, max_conc, 
             trained += batch
     assert trained > 0
     assert m.stats.running == len(running) >= 0
+
+
+def test_trajectory_dump_bounds_open_files(tmp_path):
+    from asyncrl.api import Sample, Trajectory
+    from asyncrl.rollout.trajectory_dump import TrajectoryDump
+
+    dump = TrajectoryDump(str(tmp_path / "d"), max_open=2)
+    traj = Trajectory([Sample.from_prompt_and_completion([1], [2], [0.0], [0], reward=1.0)])
+    for version in (0, 1, 2, 0, 3):  # version 0 comes back after its file was closed
+        dump.write(traj, {"id": version}, version)
+        assert len(dump._files) <= 2
+    dump.close()
+    lines = (tmp_path / "d" / "v000000.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # appended, not truncated, when reopened
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
+        "v000000.jsonl", "v000001.jsonl", "v000002.jsonl", "v000003.jsonl"]

@@ -14,15 +14,26 @@ from asyncrl.api import Trajectory
 
 
 class TrajectoryDump:
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, max_open: int = 8) -> None:
+        if max_open < 1:
+            raise ValueError(f"max_open={max_open} is out of range; allowed [1, inf)")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_open = max_open
+        # Only the few newest versions still receive trajectories, so a long run keeps a bounded
+        # number of files open (oldest closed first; reopened in append mode if ever needed).
         self._files: dict[int, IO[str]] = {}
 
-    def write(self, traj: Trajectory, data: dict[str, Any], start_version: int) -> None:
-        f = self._files.get(start_version)
+    def _file(self, version: int) -> IO[str]:
+        f = self._files.get(version)
         if f is None:
-            f = self._files[start_version] = open(self.dir / f"v{start_version:06d}.jsonl", "a")
+            while len(self._files) >= self.max_open:
+                self._files.pop(min(self._files)).close()
+            f = self._files[version] = open(self.dir / f"v{version:06d}.jsonl", "a")
+        return f
+
+    def write(self, traj: Trajectory, data: dict[str, Any], start_version: int) -> None:
+        f = self._file(start_version)
         for i, s in enumerate(traj.samples):
             record = {
                 "id": data.get("id"), "sample": i, "group_id": traj.group_id,
