@@ -145,3 +145,16 @@ def test_monitor_counts_every_episode_and_batch_metrics():
     m = batch_metrics([mixed], version=4)
     assert m["staleness/max"] == 2 and m["staleness/token_lag_max"] == 2
     assert m["reward/mean"] == 0.5 and m["batch/tokens"] == 6
+
+
+def test_minibatches_step_the_optimizer_per_slice_and_the_version_once(engine_factory):
+    from asyncrl.train.ppo_actor import minibatches
+
+    assert minibatches(torch.tensor([0, 0, 1, 1, 2, 2]), 2) == [[0, 1, 2, 3], [4, 5]]
+    assert minibatches(torch.tensor([0, 0]), 4) == [[0, 1]]
+    eng, actor = engine_factory(lr=5e-2, ppo_n_minibatches=2)
+    trajs = [group(eng, [5, 6], [[10 + g, 11], [12, 13 + g]], [1.0, 0.0]) for g in range(4)]
+    stats = actor.train_step(trajs)
+    assert eng.step == 2 and eng.get_version() == 1 and stats["ppo/minibatches"] == 2.0
+    # the second slice is trained against the pre-update proximal policy: ratios moved off 1
+    assert stats["ppo/approx_kl"] > 0

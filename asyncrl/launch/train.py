@@ -187,7 +187,9 @@ class RLJob:
 
     def _build_trainer(self, policy_dir: Path, tokenizer: Any) -> TrainerGroup:
         cfg = self.cfg
-        train_cfg = cfg.train.model_copy(update={"total_steps": cfg.total_steps})
+        # the LR schedule counts optimizer steps: ppo_n_minibatches per policy version
+        steps = cfg.total_steps * cfg.actor.ppo_n_minibatches
+        train_cfg = cfg.train.model_copy(update={"total_steps": steps})
         trainer = load_engine(policy_dir, train_cfg, cfg.model.dtype)
         if self.ckpt is not None:
             trainer.load(self.ckpt / "trainer")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import pydantic
 import torch
 
 from asyncrl.api.trajectory import Sample, Trajectory
@@ -27,6 +28,10 @@ class PPOActorConfig(Config):
     ppo: PPOLossConfig = PPOLossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     proximal: ProximalConfig = ProximalConfig()
+    # Optimizer steps per batch, each on a slice of whole groups; the proximal policy and the
+    # advantages stay those of the start of the batch, so from the second step on the PPO clip
+    # bounds how far the policy moves. The policy version still advances by one per batch.
+    ppo_n_minibatches: int = pydantic.Field(1, ge=1)
 
 
 def _padded(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> torch.Tensor:
@@ -45,6 +50,16 @@ def flatten(trajectories: Sequence[Trajectory]) -> tuple[list[Sample], torch.Ten
         samples += traj.samples
         groups += [g] * len(traj.samples)
     return samples, torch.tensor(groups, dtype=torch.long)
+
+
+def minibatches(groups: torch.Tensor, n: int) -> list[list[int]]:
+    """Sample indices in `n` contiguous slices of whole groups (fewer if there are fewer groups)."""
+    ids = groups.tolist()
+    order = list(dict.fromkeys(ids))
+    n = max(1, min(n, len(order)))
+    bounds = [round(i * len(order) / n) for i in range(n + 1)]
+    slices = [set(order[bounds[i]:bounds[i + 1]]) for i in range(n)]
+    return [[i for i, g in enumerate(ids) if g in part] for part in slices]
 
 
 def _unpad(x: torch.Tensor, samples: Sequence[Sample]) -> list[list[float]]:
@@ -67,6 +82,7 @@ class PPOActor:
                              "returns logprobs only, so the entropy bonus is not available here; "
                              "allowed: 0")
         self.engine, self.cfg, self.ref = engine, cfg, ref
+        self._version = engine.get_version()  # of the weights the current batch started from
 
     def token_data(self, samples: Sequence[Sample], groups: torch.Tensor
                    ) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
@@ -93,7 +109,7 @@ class PPOActor:
             proximal = t["proximal_logprobs"]
         elif source == "loglinear":
             proximal = approx_proximal_logprobs(behaviour, logprobs, t["versions"],
-                                                self.engine.get_version())
+                                                self._version)
         else:
             proximal = behaviour
         mask = t["loss_mask"] & t["adv_loss_mask"].bool()
@@ -101,10 +117,20 @@ class PPOActor:
                               self.cfg.ppo, ref_logprobs=t.get("ref_logprobs"))
 
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """One optimizer step (policy version + 1); returns token-weighted stats."""
+        """`ppo_n_minibatches` optimizer steps, policy version + 1; returns the stats (mean
+        over minibatches)."""
         samples, groups = flatten(trajectories)
         if not samples:
             raise ValueError("train_step got trajectories with no samples")
         data, stats = self.token_data(samples, groups)
-        stats.update(self.engine.train_batch(samples, self.loss_fn, data))
+        self._version = version = self.engine.get_version()
+        per_mb: list[dict[str, float]] = []
+        for part in minibatches(groups, self.cfg.ppo_n_minibatches):
+            per_mb.append(self.engine.train_batch(
+                [samples[i] for i in part], self.loss_fn,
+                {k: [v[i] for i in part] for k, v in data.items()}))
+        self.engine.set_version(version + 1)
+        for key in per_mb[0]:
+            stats[key] = sum(st.get(key, 0.0) for st in per_mb) / len(per_mb)
+        stats["ppo/minibatches"] = float(len(per_mb))
         return stats
