@@ -36,7 +36,14 @@ from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
 from asyncrl.launch.run_checkpoints import LoopState, latest_checkpoint, load_loop_state
 from asyncrl.launch.run_logger import RunLogger
 from asyncrl.launch.train_config import MultiTurnWorkflowConfig, TrainRunConfig
-from asyncrl.launch.trainer_group import TrainerGroup, broadcast, is_distributed, load_engine, rank
+from asyncrl.launch.trainer_group import (
+    TrainerGroup,
+    broadcast,
+    is_distributed,
+    leave_process_group,
+    load_engine,
+    rank,
+)
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.rollout.group import GroupedWorkflow
@@ -140,14 +147,17 @@ class RLJob:
                                                             else None)
         tokenizer = load_tokenizer(policy_dir)
         group = self._build_trainer(policy_dir, tokenizer)
-        if not leader:
-            group.follow()
-            return self.result
         try:
-            self._lead(state, policy_dir, tokenizer, group)
+            if not leader:
+                group.follow()
+                return self.result
+            try:
+                self._lead(state, policy_dir, tokenizer, group)
+            finally:
+                group.stop()
+            return self.result
         finally:
-            group.stop()
-        return self.result
+            leave_process_group()
 
     def _lead(self, state: LoopState, policy_dir: Path, tokenizer: Any,
               group: TrainerGroup) -> None:

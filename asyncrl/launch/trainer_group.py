@@ -44,6 +44,18 @@ def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str) -> HFTrainEngine
     return FSDPTrainEngine(load_causal_lm(path, dtype=dtype), cfg)
 
 
+def leave_process_group() -> None:
+    """Tear the process group down before exit (every rank): gloo's threads left running at
+    interpreter exit abort the process ("terminate called without an active exception")."""
+    if not is_distributed():
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def broadcast(obj: Any) -> Any:
     """rank 0's `obj` on every rank (a no-op on one process)."""
     if not is_distributed():
