@@ -80,14 +80,30 @@ def cmd_train(ns: argparse.Namespace) -> int:
     else:
         cfg = TrainRunConfig.load(path, overrides)
     result = run_train_job(cfg, resume_dir=ns.resume)
-    if os.environ.get("RANK", "0") != "0":
-        return 0  # torchrun: rank 0 reports for the group
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        _report_and_exit(result)  # torchrun workers skip interpreter teardown
+    return _report(result)
+
+
+def _report(result) -> int:
     acc = ("n/a" if result.final_accuracy is None else f"{result.final_accuracy:.4f}")
     start = ("n/a" if result.initial_accuracy is None else f"{result.initial_accuracy:.4f}")
     print(f"run_dir={result.run_dir} steps={result.steps} initial_accuracy={start} "
           f"final_accuracy={acc} train_seconds={result.train_seconds:.1f} "
           f"wall_seconds={result.wall_seconds:.1f} stopped_by={result.stopped_by}")
     return 130 if result.stopped_by == "interrupted" else 0
+
+
+def _report_and_exit(result) -> None:
+    """Under torchrun: rank 0 reports, then every rank leaves with os._exit, because C++ threads
+    of the torch.distributed stack torn down at interpreter exit can abort a finished worker
+    ("terminate called without an active exception")."""
+    import os
+
+    code = _report(result) if os.environ.get("RANK", "0") == "0" else 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
