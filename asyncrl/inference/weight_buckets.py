@@ -15,19 +15,27 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 
+def without_tied_aliases(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor once: tied weights (lm_head = embed_tokens) are one tensor under two names,
+    which safetensors refuses to store twice; HF checkpoints of tied models hold the first name
+    only, and loaders re-tie from the config."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in named_tensors:
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, tensor
+
+
 def iter_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[dict[str, torch.Tensor]]:
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    for name, tensor in named_tensors:
-        # Tied weights (lm_head = embed_tokens) are one tensor under two names: send it once,
-        # as safetensors (and HF checkpoints of tied models) do; receivers re-tie by config.
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
+    for name, tensor in without_tied_aliases(named_tensors):
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

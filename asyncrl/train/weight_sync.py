@@ -82,16 +82,13 @@ def save_state_dict_dir(state_dict: Mapping[str, torch.Tensor], hf_config: Any,
     model.safetensors (tied tensors stored once), and the tokenizer when given."""
     from safetensors.torch import save_file
 
+    from asyncrl.inference.weight_buckets import without_tied_aliases
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out)
-    seen, tensors = set(), {}
-    for name, t in state_dict.items():
-        key = (t.data_ptr(), tuple(t.shape))
-        if t.numel() and key in seen:
-            continue  # a tied alias (lm_head = embed_tokens); the config re-ties it on load
-        seen.add(key)
-        tensors[name] = t.detach().to("cpu").contiguous()
+    tensors = {name: t.detach().to("cpu").contiguous()
+               for name, t in without_tied_aliases(state_dict.items())}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
