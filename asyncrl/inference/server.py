@@ -47,6 +47,14 @@ def error_body(status: int, message: str, param: str | None = None) -> JSONRespo
     return JSONResponse({"error": err}, status_code=status)
 
 
+async def invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:
+    """A body that fails validation: 400 naming the first bad field (FastAPI's default is 422)."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if p != "body")
+    msg = first["msg"].removeprefix("Value error, ")
+    return error_body(400, f"{loc}: {msg}" if loc else msg, loc or None)
+
+
 class BodyLimit:
     """Reject bodies over the limit (413) before they are buffered, chunked uploads included."""
 
@@ -94,12 +102,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> Fas
         if not hmac.compare_digest(given, cfg.api_key.encode()):
             raise PermissionError("missing or wrong bearer token")
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"] if p != "body")
-        msg = first["msg"].removeprefix("Value error, ")
-        return error_body(400, f"{loc}: {msg}" if loc else msg, loc or None)
+    app.add_exception_handler(RequestValidationError, invalid_request)
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, err: ValueError) -> JSONResponse:

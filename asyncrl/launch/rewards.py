@@ -10,11 +10,11 @@ Each name opens a context manager, so rewards that own processes shut them down 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from asyncrl.errors import UserError
+from asyncrl.imports import import_object
 from asyncrl.rollout.reward_call import RewardFn, answer_reward
 
 
@@ -50,23 +50,6 @@ REWARDS: dict[str, Callable[[], contextlib.AbstractContextManager[RewardFn]]] = 
     "digits": digits_reward,
     "math": math_reward,
 }
-
-
-def import_object(path: str, what: str = "object") -> Any:
-    """`package.module:attr` (or `package.module.attr`) -> the object, with one-line errors."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise UserError(f"{what} {path!r}: expected 'package.module:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(f"{what} {path!r}: cannot import module {module_name!r}: {err}") from err
-    try:
-        return getattr(module, attr)
-    except AttributeError as err:
-        raise UserError(f"{what} {path!r}: module {module_name!r} has no {attr!r}") from err
 
 
 @contextlib.contextmanager

@@ -9,13 +9,15 @@ unset means the embedded tiny model, built once into a cache directory keyed by 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
+                          PreTrainedTokenizerFast)
 
 from asyncrl.config import Config
 from asyncrl.errors import UserError
@@ -24,7 +26,8 @@ from asyncrl.models.tiny import DTYPES, TinyModelConfig, build_tiny_model
 
 # Part of the cache key: bump when the builder's output changes for the same config (tokenizer,
 # chat template, file layout), so stale cached models are not silently reused.
-TINY_BUILD_VERSION = 1
+# v2: compact tool lines and rendered tool calls in the chat template.
+TINY_BUILD_VERSION = 2
 
 # Vocabulary files of the common tokenizer families. transformers 5 silently builds an empty
 # one-token tokenizer when none is present, which would only surface as garbage much later.
@@ -66,10 +69,25 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"model dir {p} has no tokenizer files; expected one of "
                              f"{', '.join(TOKENIZER_FILES)}")
     try:
+        if _tokenizer_class(p) == "PreTrainedTokenizerFast":
+            # transformers 5 picks the tokenizer class from the model type (qwen2 ->
+            # Qwen2Tokenizer, whose pre-tokenizer drops spaces from the tiny model's text);
+            # a directory that names the generic class gets exactly its tokenizer.json.
+            return PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
         return AutoTokenizer.from_pretrained(p, local_files_only=True,
                                              trust_remote_code=trust_remote_code)
     except OSError as err:  # transformers reports missing/unreadable files as OSError
         raise ModelLoadError(f"model dir {p}: cannot load tokenizer: {err}") from err
+
+
+def _tokenizer_class(p: Path) -> str | None:
+    config = p / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32",

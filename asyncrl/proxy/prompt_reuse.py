@@ -1,0 +1,77 @@
+"""Prompt token ids for a chat request that continue the session's earlier completions exactly.
+
+An agent sends its whole conversation every turn. Re-rendering it with the chat template and
+tokenizing again may give other ids than the model sampled (a tool call re-serialised with other
+spacing, a reply cut at a stop string, a BPE merge across the turn boundary), and the trainer would
+then learn from tokens the policy never produced. So when the messages start with an earlier
+completion's messages followed by exactly the assistant reply the proxy returned for it, the new
+prompt is that completion's prompt ids + its sampled output ids + the template text that follows
+the reply, tokenized on its own. `drift` counts the positions where naive re-rendering would have
+disagreed with those ids (what this module prevents).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from asyncrl.models.chat import render_chat
+from asyncrl.proxy.records import Completion
+
+
+def normalise_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """The fields that shape the prompt, in a comparable form (SDKs add nulls and extras)."""
+    out: dict[str, Any] = {"role": msg.get("role"), "content": msg.get("content") or ""}
+    if msg.get("tool_calls"):
+        out["tool_calls"] = [_call_key(c) for c in msg["tool_calls"]]
+    for key in ("tool_call_id", "name"):
+        if msg.get(key) is not None:
+            out[key] = msg[key]
+    return out
+
+
+def _call_key(call: dict[str, Any]) -> tuple[str, str]:
+    fn = call.get("function") or {}
+    args = fn.get("arguments", "")
+    if not isinstance(args, str):
+        args = json.dumps(args, separators=(",", ":"))
+    return fn.get("name", ""), args
+
+
+def _matches(earlier: Completion, messages: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None) -> bool:
+    k = len(earlier.messages or [])
+    if earlier.messages is None or len(messages) <= k or earlier.tools != tools:
+        return False
+    head = [normalise_message(m) for m in messages[:k + 1]]
+    reply = normalise_message({"role": "assistant", **earlier.message})
+    return head[:k] == [normalise_message(m) for m in earlier.messages] and head[k] == reply
+
+
+def build_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None,
+                 history: list[Completion]) -> tuple[list[int], Completion | None, int]:
+    """(prompt ids, the completion they continue or None, drift vs naive re-rendering)."""
+    full_text = render_chat(tokenizer, messages, True, tools)
+    naive = tokenizer.encode(full_text, add_special_tokens=False)
+    eos_text = tokenizer.eos_token or ""
+    # Longest reusable conversation first; among equals the latest.
+    for earlier in sorted(history, key=lambda c: (len(c.messages or []), c.turn), reverse=True):
+        if not _matches(earlier, messages, tools):
+            continue
+        upto = render_chat(tokenizer, messages[:len(earlier.messages) + 1], False, tools)
+        end = upto.rfind(eos_text) if eos_text else -1
+        if end < 0 or not full_text.startswith(upto):
+            continue
+        after_reply = upto[end + len(eos_text):] + full_text[len(upto):]
+        closed = bool(earlier.output_ids) and earlier.output_ids[-1] == tokenizer.eos_token_id
+        delta = after_reply if closed else eos_text + after_reply
+        ids = (earlier.prompt_ids + earlier.output_ids
+               + tokenizer.encode(delta, add_special_tokens=False))
+        return ids, earlier, drift(ids, naive)
+    return naive, None, 0
+
+
+def drift(ids: list[int], naive: list[int]) -> int:
+    """Positions where two token sequences differ (length difference counted too)."""
+    return sum(a != b for a, b in zip(ids, naive)) + abs(len(ids) - len(naive))

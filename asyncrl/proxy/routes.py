@@ -1,0 +1,191 @@
+"""The OpenAI-compatible endpoints of the proxy: generate through the engine, record, answer.
+
+Each of the `n` choices is one engine request. The reply text is decoded from the exact sampled
+ids (cut before a stop string, as OpenAI does); with `tools` in the request, tool-call text is
+parsed into `tool_calls` (malformed calls stay plain content). Streaming replays the finished
+choices as SSE chunks: the engine protocol returns whole sequences, and recording needs them anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, ModelResponse
+from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, OpenAISampling
+from asyncrl.inference.openai_routes import FINISH, TextTracker, sse, usage
+from asyncrl.proxy.config import ProxyConfig
+from asyncrl.proxy.prompt_reuse import build_prompt
+from asyncrl.proxy.records import Completion, Session, SessionStatus
+from asyncrl.proxy.tool_calls import parse_tool_calls
+
+STREAM_PIECE = 16  # characters of content per streamed chunk
+
+
+class ProxyRoutes:
+    def __init__(self, engine: InferenceEngine, tokenizer: Any, cfg: ProxyConfig,
+                 context_length: int | None) -> None:
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.context_length = context_length
+        self.stats = {"completions": 0, "reused_prompts": 0, "prompt_drift_tokens": 0,
+                      "tool_calls": 0, "malformed_tool_calls": 0}
+
+    # ---- request building ---------------------------------------------------------------------
+
+    def budget(self, prompt_len: int, asked: int | None) -> int:
+        cap = self.cfg.max_tokens_cap
+        if asked is not None and asked > cap:
+            raise ValueError(f"max_tokens={asked} is out of range; allowed [1, {cap}]")
+        room = (self.context_length - prompt_len) if self.context_length else cap
+        if room < 1:
+            raise ValueError(f"the prompt has {prompt_len} tokens; allowed < context length "
+                             f"{self.context_length}")
+        if asked is not None and asked > room:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({asked}) is out of "
+                             f"range; allowed <= context length {self.context_length}")
+        return asked if asked is not None else min(cap, room)
+
+    def gconfig(self, body: OpenAISampling, max_new: int) -> GenerationConfig:
+        if body.n > self.cfg.max_n:
+            raise ValueError(f"n={body.n} is out of range; allowed [1, {self.cfg.max_n}]")
+        g = body.gconfig(max_new)
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos not in g.stop_token_ids:
+            g = g.replace(stop_token_ids=[*g.stop_token_ids, eos])
+        return g
+
+    async def generate(self, prompts: list[list[int]], g: GenerationConfig,
+                       n: int) -> list[ModelResponse]:
+        reqs = [ModelRequest(input_ids=ids, gconfig=g.replace(
+                    seed=None if g.seed is None else g.seed + i))
+                for ids in prompts for i in range(n)]
+        return list(await asyncio.gather(*(self.engine.agenerate(r) for r in reqs)))
+
+    def text(self, out: ModelResponse, stops: list[str]) -> str:
+        tracker = TextTracker(self.tokenizer, stops)
+        tracker.tokens = list(out.output_tokens)
+        return tracker.text()
+
+    # ---- /v1/chat/completions -----------------------------------------------------------------
+
+    async def chat(self, session: Session, body: ChatCompletionBody) -> dict[str, Any]:
+        require_active(session)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        prompt, parent, drift = build_prompt(self.tokenizer, messages, body.tools,
+                                             list(session.completions.values()))
+        g = self.gconfig(body, self.budget(len(prompt), body.requested_max_tokens()))
+        outs = await self.generate([prompt], g, body.n)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        parse = bool(body.tools) and body.tool_choice != "none"
+        records, choices = [], []
+        for i, out in enumerate(outs):
+            text = self.text(out, g.stop)
+            content, calls = parse_tool_calls(text) if parse else (text, None)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            self.stats["tool_calls"] += len(calls or [])
+            self.stats["malformed_tool_calls"] += parse and calls is None and "<tool_call>" in text
+            records.append(self.record(session, rid, i, body.n, prompt, out, message,
+                                       messages, body.tools, parent, drift))
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": self.chat_logprobs(out)} if body.logprobs
+                            else None,
+                            "finish_reason": "tool_calls" if calls else FINISH[out.stop_reason]})
+        session.add_turn(records)
+        self.stats["reused_prompts"] += parent is not None
+        self.stats["prompt_drift_tokens"] += drift
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.cfg.model_name, "choices": choices,
+                "usage": usage([prompt], outs)}
+
+    def record(self, session: Session, rid: str, i: int, n: int, prompt: list[int],
+               out: ModelResponse, message: dict[str, Any], messages: list[dict] | None,
+               tools: list[dict] | None, parent: Completion | None, drift: int) -> Completion:
+        self.stats["completions"] += 1
+        return Completion(id=rid if n == 1 else f"{rid}:{i}", turn=len(session.turns),
+                          prompt_ids=list(prompt), output_ids=list(out.output_tokens),
+                          logprobs=list(out.output_logprobs), versions=list(out.output_versions),
+                          stop_reason=out.stop_reason, messages=messages, tools=tools,
+                          message=message, parent=parent.id if parent else None,
+                          retokenize_drift=drift)
+
+    def chat_logprobs(self, out: ModelResponse) -> list[dict]:
+        toks = [self.tokenizer.decode([t]) for t in out.output_tokens]
+        return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(toks, out.output_logprobs)]
+
+    # ---- /v1/completions ----------------------------------------------------------------------
+
+    async def completions(self, session: Session, body: CompletionBody) -> dict[str, Any]:
+        require_active(session)
+        prompts = [p if isinstance(p, list) else
+                   self.tokenizer.encode(p, add_special_tokens=False) for p in body.prompts()]
+        if any(not p for p in prompts):
+            raise ValueError("prompt is empty: it needs at least one token")
+        g = self.gconfig(body, max(self.budget(len(p), body.max_tokens) for p in prompts))
+        outs = await self.generate(prompts, g, body.n)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        records, choices = [], []
+        history = list(session.completions.values())
+        for i, out in enumerate(outs):
+            prompt = prompts[i // body.n]
+            text = self.text(out, g.stop)
+            records.append(self.record(session, rid, i, len(outs), prompt, out, {"text": text},
+                                       None, None, continued(prompt, history), 0))
+            choices.append({"index": i, "text": text, "logprobs": None,
+                            "finish_reason": FINISH[out.stop_reason]})
+        session.add_turn(records)
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.cfg.model_name, "choices": choices, "usage": usage(prompts, outs)}
+
+
+def require_active(session: Session) -> None:
+    if session.status != SessionStatus.ACTIVE:
+        raise ValueError(f"session {session.id} has ended; it accepts no more completions")
+
+
+def continued(prompt: list[int], history: list[Completion]) -> Completion | None:
+    """The longest earlier completion whose prompt + output `prompt` starts with (token ids)."""
+    best = None
+    for c in history:
+        head = c.prompt_ids + c.output_ids
+        if len(head) < len(prompt) and prompt[:len(head)] == head:
+            if best is None or len(head) > len(best.prompt_ids) + len(best.output_ids):
+                best = c
+    return best
+
+
+def stream_chat(reply: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    """A finished chat completion as OpenAI `chat.completion.chunk` events, then [DONE]."""
+    head = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
+            "model": reply["model"]}
+
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
+        return sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]})
+
+    for choice in reply["choices"]:
+        i, msg = choice["index"], choice["message"]
+        yield chunk(i, {"role": "assistant", "content": ""})
+        content = msg.get("content") or ""
+        for start in range(0, len(content), STREAM_PIECE):
+            yield chunk(i, {"content": content[start:start + STREAM_PIECE]})
+        for j, call in enumerate(msg.get("tool_calls") or []):
+            yield chunk(i, {"tool_calls": [{"index": j, **call}]})
+        yield chunk(i, {}, choice["finish_reason"], choice["logprobs"])
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": reply["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+def stream_completion(reply: dict[str, Any]) -> Iterator[str]:
+    head = {k: reply[k] for k in ("id", "object", "created", "model")}
+    for choice in reply["choices"]:
+        yield sse({**head, "choices": [{**choice, "finish_reason": None}]})
+        yield sse({**head, "choices": [{**choice, "text": "",
+                                        "finish_reason": choice["finish_reason"]}]})
+    yield "data: [DONE]\n\n"
