@@ -103,6 +103,42 @@ def test_openai_streaming_matches_non_streaming(server):
     assert streamed == plain.choices[0].text
 
 
+def test_ignorable_openai_fields_are_accepted_and_change_nothing(server):
+    """store, metadata, cache hints and neutral values (what agent SDKs send) give the same reply."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="anything")
+    kwargs = dict(model="default", messages=[{"role": "user", "content": "7*6="}], max_tokens=6,
+                  temperature=0)
+    plain = client.chat.completions.create(**kwargs)
+    extra = client.chat.completions.create(
+        **kwargs, store=True, metadata={"run": "r1"}, prompt_cache_key="k",
+        prompt_cache_retention="24h", safety_identifier="u1", verbosity="medium",
+        tool_choice="auto", parallel_tool_calls=False, frequency_penalty=0.0,
+        tools=[{"type": "function", "function": {"name": "calc", "parameters": {
+            "type": "object", "properties": {"expr": {"type": "string"}}}}}])
+    assert plain.choices[0].message.content is not None
+    assert extra.choices[0].message.content is not None
+    no_tools = client.chat.completions.create(**kwargs, store=False, metadata={"a": "b"})
+    assert no_tools.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_stream_usage_chunk_when_asked(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="anything")
+    kwargs = dict(model="default", messages=[{"role": "user", "content": "7*6="}], max_tokens=7,
+                  temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+    assert all(c.usage is None for c in client.chat.completions.create(stream=True, **kwargs))
+    comp = client.completions.create(model="default", prompt=["ab", "cde"], max_tokens=5, n=2,
+                                     temperature=0)
+    comp_chunks = list(client.completions.create(
+        model="default", prompt=["ab", "cde"], max_tokens=5, n=2, temperature=0, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert comp_chunks[-1].choices == [] and comp_chunks[-1].usage == comp.usage
+
+
 def test_async_openai_client(server):
     async def main():
         client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="anything")
@@ -139,6 +175,23 @@ def test_64_concurrent_clients_get_their_own_answers(server, reference):
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 1.0}, 400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    # OpenAI fields the server cannot honour: a 400 naming the field and what is allowed
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice='required'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": {
+        "type": "function", "function": {"name": "calc"}}}, 400, "allowed: 'auto', 'none'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "reasoning_effort": "low"}, 400, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "verbosity": "high"}, 400, "allowed: 'medium'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {}}}, 400, "response_format.type='json_schema'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                              "stream_options": {"bogus": True}}, 400, "stream_options.bogus"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "yes"}}, 400,
+     "must be a bool"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "service_tier": "flex"}, 400, "service_tier"),
 ])
 def test_bad_input_gets_4xx_json_and_server_keeps_serving(server, path, body, status, needle):
     resp = post(server, path, json=body)

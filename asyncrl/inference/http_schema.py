@@ -40,7 +40,14 @@ class GenerateBody(StrictBody):
 
 def _neutral(name: str, value: Any, neutral: Any) -> None:
     if value not in (None, neutral):
-        raise ValueError(f"{name}={value!r} is not supported by this server; allowed: {neutral!r}")
+        allowed = "null (omit the field)" if neutral is None else repr(neutral)
+        raise ValueError(f"{name}={value!r} is not supported by this server; allowed: {allowed}")
+
+
+# stream_options keys, each with the type it must have. include_usage is honoured (a last chunk
+# with the usage and no choices); include_obfuscation only pads chunks with a random field against
+# length side channels, which changes no content, so it is accepted and ignored.
+STREAM_OPTIONS = {"include_usage": bool, "include_obfuscation": bool}
 
 
 class OpenAISampling(StrictBody):
@@ -56,6 +63,7 @@ class OpenAISampling(StrictBody):
     stop_token_ids: list[int] | None = None  # vLLM extension
     seed: int | None = None
     stream: bool = False
+    # A plain dict (callers read it with .get), checked against STREAM_OPTIONS below.
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     presence_penalty: float | None = None
@@ -68,7 +76,18 @@ class OpenAISampling(StrictBody):
         _neutral("frequency_penalty", self.frequency_penalty, 0.0)
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server; allowed: {} or null")
+        for key, value in (self.stream_options or {}).items():
+            kind = STREAM_OPTIONS.get(key)
+            if kind is None:
+                raise ValueError(f"stream_options.{key} is not supported by this server; "
+                                 f"allowed keys: {sorted(STREAM_OPTIONS)}")
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"stream_options.{key}={value!r} must be a {kind.__name__}")
         return self
+
+    def stream_usage(self) -> bool:
+        """Whether a streamed reply ends with a usage chunk (stream_options.include_usage)."""
+        return self.stream and bool((self.stream_options or {}).get("include_usage"))
 
     def gconfig(self, max_new_tokens: int) -> GenerationConfig:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -118,6 +137,11 @@ class ChatMessage(pydantic.BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+# tool_choice values this server can honour. It never forces a tool call ("required", a named
+# function); "none" holds because tool calls only come from parsing what the model chose to write.
+TOOL_CHOICES = ("auto", "none")
+
+
 class ChatCompletionBody(OpenAISampling):
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_tokens: int | None = pydantic.Field(None, ge=1)
@@ -126,14 +150,34 @@ class ChatCompletionBody(OpenAISampling):
     top_logprobs: int | None = pydantic.Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # A hint only: nothing limits how many tool calls the model writes in one turn.
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # Accepted and ignored: none of these changes what is generated. Nothing is stored (`store`;
+    # `metadata` tags stored completions), and cache hints only concern cost and latency.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
 
     @pydantic.model_validator(mode="after")
     def _supported(self) -> ChatCompletionBody:
         _neutral("top_logprobs", self.top_logprobs, 0)
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format.type={kind!r} is not supported by this server "
+                             "(no constrained decoding); allowed: 'text'")
+        if self.tool_choice is not None and self.tool_choice not in TOOL_CHOICES:
+            allowed = ", ".join(map(repr, TOOL_CHOICES))
+            raise ValueError(f"tool_choice={self.tool_choice!r} is not supported by this server "
+                             f"(it cannot force a tool call); allowed: {allowed} or null")
+        # The model has no reasoning-effort or verbosity control; only "unset" is honest.
+        _neutral("reasoning_effort", self.reasoning_effort, None)
+        _neutral("verbosity", self.verbosity, "medium")
         return self
 
     def requested_max_tokens(self) -> int | None:

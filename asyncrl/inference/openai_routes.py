@@ -125,7 +125,9 @@ class OpenAIRoutes:
                                          "logprobs": lp}]}
 
         if body.stream:
-            return StreamingResponse(self.stream(reqs, stops, chunk), media_type="text/event-stream")
+            tail = usage_chunk(head, "text_completion", prompts) if body.stream_usage() else None
+            return StreamingResponse(self.stream(reqs, stops, chunk, tail),
+                                     media_type="text/event-stream")
         outs = await self.run_all(reqs)
         choices = [{"index": i, "text": self.final_text(o, stops),
                     "logprobs": self.completion_logprobs(o) if want_lp else None,
@@ -147,7 +149,10 @@ class OpenAIRoutes:
                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": fin}]}
 
         if body.stream:
-            return StreamingResponse(self.stream(reqs, stops, chunk), media_type="text/event-stream")
+            tail = (usage_chunk(head, "chat.completion.chunk", [prompt]) if body.stream_usage()
+                    else None)
+            return StreamingResponse(self.stream(reqs, stops, chunk, tail),
+                                     media_type="text/event-stream")
         outs = await self.run_all(reqs)
         choices = [{"index": i,
                     "message": {"role": "assistant", "content": self.final_text(o, stops)},
@@ -173,8 +178,11 @@ class OpenAIRoutes:
                 for t, lp in zip(self.token_strs(o.output_tokens), o.output_logprobs)]
 
     async def stream(self, reqs: list[ModelRequest], stops: list[str],
-                     make: Callable[[int, str, Any, str | None], dict]) -> AsyncIterator[str]:
-        """Interleave the choices' token streams into one SSE stream, then `[DONE]`."""
+                     make: Callable[[int, str, Any, str | None], dict],
+                     tail: Callable[[list[ModelResponse]], dict] | None = None,
+                     ) -> AsyncIterator[str]:
+        """Interleave the choices' token streams into one SSE stream, then `tail(finished
+        responses in request order)` if given (the usage chunk), then `[DONE]`."""
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, req: ModelRequest) -> None:
@@ -186,6 +194,7 @@ class OpenAIRoutes:
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
         trackers = [TextTracker(self.tokenizer, stops) for _ in reqs]
+        finished: list[ModelResponse | None] = [None] * len(reqs)
         pending = len(reqs)
         try:
             while pending:
@@ -201,8 +210,12 @@ class OpenAIRoutes:
                     yield sse(make(i, text, None if final else item, None))
                 if final:
                     pending -= 1
+                    finished[i] = item
                     self.metrics.observe(item, item.latency)
                     yield sse(make(i, "", None, FINISH[item.stop_reason]))
+            done = [o for o in finished if o is not None]
+            if tail is not None and len(done) == len(reqs):  # no usage after an error chunk
+                yield sse(tail(done))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -213,6 +226,12 @@ def usage(prompts: list[list[int]], outs: list[ModelResponse]) -> dict:
     prompt, completion = sum(len(p) for p in prompts), sum(o.output_len for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def usage_chunk(head: dict, obj: str, prompts: list[list[int]]
+                ) -> Callable[[list[ModelResponse]], dict]:
+    """The last chunk of a stream with stream_options.include_usage: usage and no choices."""
+    return lambda outs: {**head, "object": obj, "choices": [], "usage": usage(prompts, outs)}
 
 
 def add_openai_routes(app: FastAPI, engine: Any, tokenizer: Any, cfg: Any, metrics: Any) -> None:

@@ -1,0 +1,100 @@
+"""An OpenAI Agents SDK agent as an asyncrl agent program (`async def run(data, **kw) -> float`).
+
+The agent code is plain Agents SDK; only the client is pointed at the `base_url` / `api_key` that
+asyncrl injects (its recording proxy during RL, or any OpenAI-compatible server such as
+`asyncrl serve` at http://HOST:PORT/v1). Install the SDK with `pip install -e ".[agents]"`.
+
+The SDK uses the Chat Completions model here (`OpenAIChatCompletionsModel`): the proxy and
+`asyncrl serve` speak /v1/chat/completions, not the Responses API the SDK defaults to. Its tracing
+exports to api.openai.com by default, so every run disables it (RunConfig(tracing_disabled=True)).
+
+The instance holds only plain settings (no client, no SDK objects), so it pickles for the
+`subproc` runner; a client is built per call, which also keeps sessions apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import os
+from typing import Any
+
+from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+from openai import AsyncOpenAI
+
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def evaluate(expr: str) -> int:
+    """Integer arithmetic with + - * only, parsed rather than eval'd (the model writes `expr`)."""
+
+    def walk(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in OPS:
+            return OPS[type(node.op)](walk(node.left), walk(node.right))
+        raise ValueError(f"expr={expr!r}: only integers joined by +, - and * are allowed")
+
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"expr={expr!r} is not an arithmetic expression") from err
+    return walk(tree.body)
+
+
+@function_tool
+def calc(expr: str) -> str:
+    """Evaluate an integer arithmetic expression such as "12+34*2" and return the result."""
+    return str(evaluate(expr))
+
+
+class AgentsSDKMathAgent:
+    """Answers a math prompt with one Agents SDK agent; reward 1.0 for the exact answer, else 0.0.
+
+    `max_tokens`/`temperature` go out as the only sampling fields of the request (ModelSettings
+    leaves everything else unset); `use_calculator` gives the agent the `calc` function tool.
+    """
+
+    def __init__(self, instructions: str | None = None, max_tokens: int = 8,
+                 temperature: float = 1.0, use_calculator: bool = False,
+                 model: str = "default", max_turns: int = 4) -> None:
+        self.instructions = instructions
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.use_calculator = use_calculator
+        self.model = model
+        self.max_turns = max_turns
+
+    def build_agent(self, client: AsyncOpenAI) -> Agent:
+        return Agent(
+            name="math",
+            instructions=self.instructions,
+            model=OpenAIChatCompletionsModel(model=self.model, openai_client=client),
+            model_settings=ModelSettings(max_tokens=self.max_tokens, temperature=self.temperature),
+            tools=[calc] if self.use_calculator else [],
+        )
+
+    async def solve(self, data: dict[str, Any], **extra_kwargs: Any) -> str:
+        """The agent's final output for `data["messages"]` (the chat prompt, system turn included)."""
+        http_client = extra_kwargs.get("http_client")
+        # subproc runners may pass the endpoint only through the environment
+        client = AsyncOpenAI(
+            base_url=extra_kwargs.get("base_url") or os.environ["OPENAI_BASE_URL"],
+            api_key=extra_kwargs.get("api_key") or os.environ["OPENAI_API_KEY"],
+            http_client=http_client,
+            max_retries=0,  # a retried completion would be recorded twice
+        )
+        try:
+            result = await Runner.run(self.build_agent(client), list(data["messages"]),
+                                      max_turns=self.max_turns,
+                                      run_config=RunConfig(tracing_disabled=True))
+        finally:
+            if http_client is None:  # a shared, injected client belongs to the caller
+                await client.close()
+        return str(result.final_output)
+
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
+        output = await self.solve(data, **extra_kwargs)
+        return 1.0 if output.strip() == str(data["answer"]).strip() else 0.0
