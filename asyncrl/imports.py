@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
 from typing import Any
 
 from asyncrl.errors import UserError
@@ -15,6 +18,7 @@ def import_object(path: str, what: str = "object") -> Any:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise UserError(f"{what} {path!r}: expected 'package.module:name'")
+    _importable_from_cwd(module_name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -23,3 +27,14 @@ def import_object(path: str, what: str = "object") -> Any:
         return getattr(module, attr)
     except AttributeError as err:
         raise UserError(f"{what} {path!r}: module {module_name!r} has no {attr!r}") from err
+
+
+def _importable_from_cwd(module_name: str) -> None:
+    """Let `examples.x.agent:Agent` resolve from the working directory, as `python -m` would,
+    when launched through the `asyncrl` console script (whose sys.path lacks the cwd). Spawned
+    subprocesses inherit sys.path, so they can unpickle the same objects."""
+    top = module_name.split(".")[0]
+    cwd = os.getcwd()
+    if importlib.util.find_spec(top) is None and (
+            os.path.isdir(os.path.join(cwd, top)) or os.path.isfile(os.path.join(cwd, top + ".py"))):
+        sys.path.append(cwd)

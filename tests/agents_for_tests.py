@@ -75,3 +75,20 @@ class WrongTypeAgent:
 class NotAnAgent:
     def run(self, data):
         return 1.0
+
+
+class DigitAgent:
+    """Reward 1.0 when the reply holds a digit: varies on an untrained tiny model."""
+
+    def __init__(self, fail_every: int = 0) -> None:
+        self.fail_every, self.calls = fail_every, 0
+
+    async def run(self, data, **kw):
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise RuntimeError(f"flaky agent failure #{self.calls}")
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"],
+                             http_client=kw["http_client"], max_retries=0)
+        r = await client.chat.completions.create(model="default", messages=data["messages"],
+                                                 max_tokens=6)
+        return 1.0 if any(c.isdigit() for c in r.choices[0].message.content or "") else 0.0

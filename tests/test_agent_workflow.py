@@ -35,7 +35,7 @@ def engine(model_dir, one_thread):
 
 
 def run_rows(engine, tokenizer, agent, rows=ROWS, **cfg):
-    proxy_cfg = ProxyConfig(admin_key="admin", max_tokens_cap=16)
+    proxy_cfg = ProxyConfig(admin_key="admin", max_tokens_cap=128)
     workflow = AgentWorkflow(agent, ProxyServer(engine, tokenizer, proxy_cfg, context_length=256),
                              AgentConfig(**cfg))
     with WorkflowExecutor(engine, RolloutConfig(batch_size=len(rows))) as ex:
@@ -123,3 +123,63 @@ def test_agent_specs_and_results_are_checked():
     for bad in (True, "1", None, {"a": "x"}, {1: 1.0}):
         with pytest.raises(TypeError, match="allowed"):
             check_result(bad)
+
+
+def test_agents_sdk_agent_runs_unchanged_through_the_proxy(engine, tokenizer):
+    pytest.importorskip("agents")
+    from examples.agents_sdk.agent import AgentsSDKMathAgent
+
+    trajs, stats, _ = run_rows(engine, tokenizer, AgentsSDKMathAgent(), ROWS[:2])
+    assert stats["accepted"] == 2
+    assert all(t.samples[0].reward in (0.0, 1.0) for t in trajs)
+
+
+def test_agents_sdk_tool_loop_is_recorded_as_one_conversation(tokenizer):
+    """Scripted replies (the untrained model never calls tools): the SDK executes `calc`
+    from the proxy's parsed tool call and sends the result back; concat export holds both turns."""
+    pytest.importorskip("agents")
+    from examples.agents_sdk.agent import AgentsSDKMathAgent
+    from tests.proxy_helpers import ScriptedEngine
+
+    replies = ['<tool_call>{"name":"calc","arguments":{"expr":"2+3"}}</tool_call>', "5"]
+    scripted = ScriptedEngine(tokenizer, replies)
+    agent = AgentsSDKMathAgent(use_calculator=True, max_tokens=100)
+    trajs, stats, _ = run_rows(scripted, tokenizer, agent, [{**ROWS[0], "answer": "5"}],
+                               export_style="concat", turn_discount=0.9)
+    (traj,) = trajs
+    (smp,) = traj.samples
+    # reward 1.0 on the answer; the path's return from the first turn is 0 + 0.9 * 1.0
+    assert smp.reward == pytest.approx(0.9) and smp.metadata["turns"] == 2
+    assert smp.metadata["tool_calls"] == 1
+    text = tokenizer.decode(smp.input_ids)
+    assert "<|im_start|>tool\n5<|im_end|>" in text  # the SDK ran the tool on the parsed call
+    assert scripted.requests[1].input_ids[:len(scripted.requests[0].input_ids)] == \
+        scripted.requests[0].input_ids
+
+
+def test_example_agents_run_through_the_proxy(engine, tokenizer):
+    from examples.math_agent.agent import MathAgent
+    from examples.retry_agent.agent import RetryAgent
+
+    trajs, stats, _ = run_rows(engine, tokenizer, MathAgent(), ROWS[:2])
+    assert stats["accepted"] == 2
+    trajs, stats, _ = run_rows(engine, tokenizer, RetryAgent(max_turns=2), ROWS[:2],
+                               export_style="concat", turn_discount=0.5)
+    assert stats["accepted"] == 2 and all(len(t.samples) == 1 for t in trajs)
+
+
+def test_calculator_agent_scores_the_tool_result(tokenizer):
+    from examples.tool_agent.agent import CalculatorAgent
+    from tests.proxy_helpers import ScriptedEngine
+
+    replies = ['<tool_call>{"name":"calc","arguments":{"expr":"37*45"}}</tool_call>', "1665",
+               "1666"]  # a correct tool episode, then a wrong direct guess
+    row = {"id": "m", "messages": [{"role": "user", "content": "37*45=?"}], "answer": "1665"}
+    trajs, _, _ = run_rows(ScriptedEngine(tokenizer, replies), tokenizer, CalculatorAgent(),
+                           [row], export_style="concat")
+    (smp,) = trajs[0].samples
+    assert smp.reward == 1.0 and smp.metadata["tool_calls"] == 1
+    assert "<|im_start|>tool\n1665<|im_end|>" in tokenizer.decode(smp.input_ids)
+    trajs, _, _ = run_rows(ScriptedEngine(tokenizer, ["1666"]), tokenizer, CalculatorAgent(),
+                           [row], export_style="concat")
+    assert trajs[0].samples[0].reward == 0.0 and trajs[0].samples[0].metadata["tool_calls"] == 0

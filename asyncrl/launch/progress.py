@@ -32,6 +32,7 @@ KEYS = {
     "version": "policy/version",
     "elapsed": "time/elapsed_s",
 }
+AGENT_EVAL = "eval/agent_reward"
 RATE_WINDOW = 20  # steps/s is measured over this many recent updates, so warm-up fades out
 
 
@@ -118,8 +119,10 @@ class TrainProgress:
         for name, key in KEYS.items():
             if key in metrics:
                 values[name] = _num(metrics[key])
+        if AGENT_EVAL in metrics:  # agent workflows score the agent's own reward
+            values["eval"] = _num(metrics[AGENT_EVAL])
         self._values = values  # one assignment: the refresh thread sees old or new, never half
-        accuracy = _num(metrics.get(KEYS["eval"]))
+        accuracy = _num(metrics.get(KEYS["eval"], metrics.get(AGENT_EVAL)))
         if accuracy is not None:
             self._eval = (accuracy, self.step)
         if not self.live_mode and self._due():

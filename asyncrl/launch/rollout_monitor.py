@@ -32,6 +32,7 @@ class RolloutMonitor:
         self._since = now
         self._episodes = self._samples = self._tokens = self._kept = 0
         self._reward_sum = 0.0
+        self._tool_samples = self._agent_samples = 0  # agent workflows: samples with tool calls
 
     def accept(self, traj: Trajectory) -> bool:
         keep = not (self.drop_uniform and uniform_rewards(traj))
@@ -42,6 +43,9 @@ class RolloutMonitor:
             self._samples += len(traj.samples)
             self._reward_sum += sum(traj.rewards)
             self._tokens += sum(s.num_generated for s in traj.samples)
+            agent = [s for s in traj.samples if "tool_calls" in s.metadata]
+            self._agent_samples += len(agent)
+            self._tool_samples += sum(s.metadata["tool_calls"] > 0 for s in agent)
         return keep
 
     def take(self) -> dict[str, float]:
@@ -55,6 +59,8 @@ class RolloutMonitor:
                 "perf/gen_tokens_per_s": self._tokens / dt,
                 "perf/gen_samples_per_s": self._samples / dt,
             }
+            if self._agent_samples:  # with export_style concat: episodes that called a tool
+                out["agent/tool_call_frac"] = self._tool_samples / self._agent_samples
             self._reset(now)
         return out
 

@@ -232,7 +232,8 @@ def _import_wandb(mode: str) -> Any:
 # (title, series predicate) per column; eval accuracy also shows any eval/pass@k present.
 PANELS: tuple[tuple[str, Any], ...] = (
     ("reward mean", lambda key: key == "reward/mean"),
-    ("eval accuracy", lambda key: key == "eval/greedy_accuracy" or key.startswith("eval/pass@")),
+    ("eval accuracy", lambda key: key in ("eval/greedy_accuracy", "eval/agent_reward",
+                                          "eval/tool_call_frac") or key.startswith("eval/pass@")),
     ("staleness", lambda key: key in ("staleness/mean", "staleness/max")),
 )
 ELAPSED_KEY = "time/elapsed_s"

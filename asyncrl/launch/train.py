@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from asyncrl.launch.agent_job import build_agent_workflow, evaluate_agent
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.evaluate import EvalResult, evaluate
 from asyncrl.launch.progress import TrainProgress
@@ -35,7 +36,8 @@ from asyncrl.launch.rollout_engines import RolloutEngines, open_rollout_engines
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
 from asyncrl.launch.run_checkpoints import LoopState, latest_checkpoint, load_loop_state
 from asyncrl.launch.run_logger import RunLogger
-from asyncrl.launch.train_config import MultiTurnWorkflowConfig, TrainRunConfig
+from asyncrl.launch.train_config import (AgentWorkflowConfig, MultiTurnWorkflowConfig,
+                                         TrainRunConfig)
 from asyncrl.launch.trainer_group import (
     TrainerGroup,
     broadcast,
@@ -102,7 +104,12 @@ def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
     return Path(run_sft_job(cfg.warm_start, console).model_dir)
 
 
-def build_workflow(cfg: TrainRunConfig, reward_fn: Any, tokenizer: Any) -> Any:
+def build_workflow(cfg: TrainRunConfig, reward_fn: Any, tokenizer: Any, engine: Any = None,
+                   agent: Any = None, context_length: int | None = None) -> Any:
+    if isinstance(cfg.workflow, AgentWorkflowConfig):
+        inner = build_agent_workflow(cfg.workflow, agent, engine, tokenizer, context_length)
+        n = cfg.gconfig.n_samples
+        return GroupedWorkflow(inner, n) if n > 1 else inner
     if isinstance(cfg.workflow, MultiTurnWorkflowConfig):
         mt = MultiTurnConfig(**cfg.workflow.model_dump(exclude={"kind"}))
         inner = MultiTurnWorkflow(reward_fn, cfg.gconfig, tokenizer, mt)
@@ -121,10 +128,14 @@ def set_threads(cfg: TrainRunConfig) -> None:
 
 class RLJob:
     def __init__(self, cfg: TrainRunConfig, run_dir: Path, resume: bool = False,
-                 console: Console | None = None, reward_fn: RewardFn | None = None) -> None:
-        """`reward_fn` (Python callers) replaces the reward named by `cfg.reward`."""
+                 console: Console | None = None, reward_fn: RewardFn | None = None,
+                 agent: Any = None) -> None:
+        """`reward_fn` (Python callers) replaces the reward named by `cfg.reward`; `agent` (an
+        object with `async def run`, or its class) replaces `workflow.path` of an agent job."""
+        if agent is not None and not isinstance(cfg.workflow, AgentWorkflowConfig):
+            cfg = cfg.model_copy(update={"workflow": AgentWorkflowConfig()})
         self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
-        self.reward_fn = reward_fn
+        self.reward_fn, self.agent = reward_fn, agent
         self.console = console or Console(stderr=True)
         self.result = TrainResult(run_dir, 0, 0.0, 0.0, None, None)
 
@@ -222,10 +233,21 @@ class _Loop:
         self.group, self.trainer, self.executor = group, group.trainer, executor
         self.stream, self.logger, self.progress, self.stop = stream, logger, progress, stop
         self.monitor = RolloutMonitor(self.cfg.filter_uniform_groups)
-        self.workflow = build_workflow(self.cfg, reward_fn, tokenizer)
+        self.workflow = build_workflow(
+            self.cfg, reward_fn, tokenizer, engines.engine, job.agent,
+            getattr(self.trainer.model.config, "max_position_embeddings", None))
+        inner = getattr(self.workflow, "inner", self.workflow)
+        self.agent = inner if isinstance(self.cfg.workflow, AgentWorkflowConfig) else None
         self.result = job.result
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.agent is not None:  # stop the proxy server and the agents' process pool
+                self.executor.run(self.agent.aclose(), timeout=60)
+
+    def _run(self) -> None:
         cfg, state = self.cfg, self.state
         wall0 = time.perf_counter() - state.wall_seconds
         if state.step == 0 and cfg.eval.every:
@@ -303,6 +325,12 @@ class _Loop:
         self.state.version = new_version
         self.state.data_position = self.stream.position
         metrics.update(self.monitor.take())
+        if self.agent is not None:
+            metrics.update({f"agent/rejected_{kind}": float(n)
+                            for kind, n in self.agent.rejections.items()})
+            # cumulative: completions, prompts that reused sampled ids, and the token positions
+            # where naive re-rendering would have differed from them (the drift avoided)
+            metrics.update({f"proxy/{k}": float(v) for k, v in self.agent.proxy.routes.stats.items()})
         stats = self.executor.stats()
         metrics.update({
             "policy/version": float(new_version),
@@ -317,18 +345,26 @@ class _Loop:
     def evaluate_and_log(self, initial: bool = False) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        result: EvalResult = self.executor.run(evaluate(
-            self.engines.engine, self.tokenizer, self.job.eval_rows, self.reward_fn, cfg.eval))
-        metrics = result.summary()
-        step, acc = self.state.step, result.greedy_accuracy
+        if self.agent is not None:
+            metrics = self.executor.run(evaluate_agent(
+                self.agent, self.engines.engine, self.job.eval_rows, cfg.eval.concurrency))
+            acc, what, extra = metrics["eval/agent_reward"], "agent reward", (
+                f", tool calls in {metrics['eval/tool_call_frac']:.0%}, "
+                f"rejected {metrics['eval/rejected_frac']:.0%}")
+        else:
+            result: EvalResult = self.executor.run(evaluate(
+                self.engines.engine, self.tokenizer, self.job.eval_rows, self.reward_fn,
+                cfg.eval))
+            metrics, acc, what = result.summary(), result.greedy_accuracy, "greedy accuracy"
+            extra = "".join(f", pass@{k} {v:.1%}" for k, v in result.pass_at_k.items())
+        step = self.state.step
         self.result.evals.append((step, self.state.train_seconds, acc))
         if initial:
             self.result.initial_accuracy = acc
             self.logger.log(0, {**metrics, "time/elapsed_s": 0.0, "policy/version": 0.0},
                             force=True)
         self.result.final_accuracy = acc
-        extra = "".join(f", pass@{k} {v:.1%}" for k, v in result.pass_at_k.items())
-        self.progress.message(f"eval at step {step}: greedy accuracy {acc:.1%}{extra} "
+        self.progress.message(f"eval at step {step}: {what} {acc:.3g}{extra} "
                               f"({len(self.job.eval_rows)} held-out problems, "
                               f"{time.perf_counter() - t0:.1f}s)")
         return metrics
@@ -340,14 +376,15 @@ class _Loop:
 
 
 def run_train_job(cfg: TrainRunConfig, resume_dir: str | Path | None = None,
-                  console: Console | None = None, reward_fn: RewardFn | None = None
-                  ) -> TrainResult:
+                  console: Console | None = None, reward_fn: RewardFn | None = None,
+                  agent: Any = None) -> TrainResult:
+    """`agent`: an agent object or class for `workflow.kind: agent` (instead of a dotted path)."""
     if resume_dir is not None:
         run_dir = Path(resume_dir)
     else:
         run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir()
     return RLJob(cfg, run_dir, resume=resume_dir is not None, console=console,
-                 reward_fn=reward_fn).run()
+                 reward_fn=reward_fn, agent=agent).run()
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig:

@@ -19,6 +19,7 @@ from asyncrl.launch.evaluate import EvalConfig
 from asyncrl.launch.run_logger import LoggingConfig
 from asyncrl.launch.sft import SFTRunConfig
 from asyncrl.models.loading import ModelConfig
+from asyncrl.proxy.config import AgentConfig
 from asyncrl.rollout.executor import RolloutConfig
 from asyncrl.rollout.multi_turn import MultiTurnConfig
 from asyncrl.train.engine import TrainEngineConfig
@@ -39,7 +40,15 @@ class MultiTurnWorkflowConfig(MultiTurnConfig):
     kind: Literal["multi_turn"] = "multi_turn"
 
 
-WorkflowConfig = Annotated[RLVRWorkflowConfig | MultiTurnWorkflowConfig,
+class AgentWorkflowConfig(AgentConfig):
+    """Any agent program (`path: package.module:Class`) talking to the OpenAI-compatible proxy;
+    `gconfig.n_samples` runs per prompt form the group. The agent sets its own sampling
+    parameters per request; leave temperature unset (1.0) so it matches `train.temperature`."""
+
+    kind: Literal["agent"] = "agent"
+
+
+WorkflowConfig = Annotated[RLVRWorkflowConfig | MultiTurnWorkflowConfig | AgentWorkflowConfig,
                            pydantic.Field(discriminator="kind")]
 
 

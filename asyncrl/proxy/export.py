@@ -51,7 +51,8 @@ def export_concat(completions: list[Completion], raw: dict[str, float],
         samples.append(Sample(ids, mask, logps, vers, reward=returns[path[0].id],
                               token_rewards=token_rewards, stop_reason=leaf.stop_reason,
                               metadata={"completion_ids": [c.id for c in path],
-                                        "turns": len(path)}))
+                                        "turns": len(path),
+                                        "tool_calls": sum(c.tool_calls for c in path)}))
     return samples
 
 

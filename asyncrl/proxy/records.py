@@ -30,7 +30,13 @@ class Completion:
     def sample(self, reward: float) -> Sample:
         return Sample.from_prompt_and_completion(
             self.prompt_ids, self.output_ids, self.logprobs, self.versions, reward=reward,
-            stop_reason=self.stop_reason, metadata={"completion_id": self.id, "turn": self.turn})
+            stop_reason=self.stop_reason,
+            metadata={"completion_id": self.id, "turn": self.turn, "tool_calls": self.tool_calls})
+
+    @property
+    def tool_calls(self) -> int:
+        """Well-formed tool calls in the reply (the proxy parsed them into `tool_calls`)."""
+        return len(self.message.get("tool_calls") or [])
 
     def public(self) -> dict[str, Any]:
         """The stored completion as its own session may read it back."""
