@@ -118,17 +118,56 @@ def test_chat_template_accepts_text_parts_and_none_content(tokenizer):
     assert rendered == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
 
 
-def test_chat_template_renders_tools_into_the_system_block(tokenizer):
-    tools = [{"type": "function", "function": {"name": "add"}}]
+CALC_TOOL = {"type": "function", "function": {
+    "name": "calc", "description": "Evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"},
+                                                    "base": {"type": "integer"}}}}}
+
+
+def test_chat_template_renders_tools_compactly_into_the_system_block(tokenizer):
+    tools = [CALC_TOOL, {"type": "function", "function": {"name": "now"}}]
     rendered = tokenizer.apply_chat_template(MESSAGES[:2], tools=tools, tokenize=False)
     assert rendered == (
-        "<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n"
-        '{"type": "function", "function": {"name": "add"}}\n</tools><|im_end|>\n'
+        "<|im_start|>system\nBe brief.\n\n# Tools\ncalc(expr,base)\nnow()<|im_end|>\n"
         "<|im_start|>user\n2+2?<|im_end|>\n"
     )
-    no_system = tokenizer.apply_chat_template(MESSAGES[1:2], tools=tools, tokenize=False)
-    assert no_system.startswith("<|im_start|>system\n# Tools\n<tools>\n")
-    assert no_system.endswith("</tools><|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n")
+    no_system = tokenizer.apply_chat_template(MESSAGES[1:2], tools=tools[1:], tokenize=False)
+    assert no_system == ("<|im_start|>system\n# Tools\nnow()<|im_end|>\n"
+                         "<|im_start|>user\n2+2?<|im_end|>\n")
+
+
+def test_chat_template_renders_tool_calls_exactly(tokenizer):
+    # The proxy parses `<tool_call>(.*?)</tool_call>` back out of generations: this text is the
+    # contract between SFT data, the template and the parser.
+    calls = [
+        {"id": "a", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "2+2"}'}},
+        {"id": "b", "type": "function", "function": {"name": "calc",
+                                                      "arguments": {"expr": "3*4", "n": [1, 2]}}},
+    ]
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": None, "tool_calls": calls[:1]},
+                {"role": "tool", "tool_call_id": "a", "content": "4"},
+                {"role": "assistant", "content": "so", "tool_calls": calls[1:]},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "assistant", "content": "4", "tool_calls": []}]
+    rendered = tokenizer.apply_chat_template(messages, tools=[CALC_TOOL], tokenize=False)
+    assert rendered == (
+        "<|im_start|>system\n# Tools\ncalc(expr,base)<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>{"name":"calc","arguments":{"expr": "2+2"}}</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>tool\n4<|im_end|>\n"
+        '<|im_start|>assistant\nso<tool_call>{"name":"calc","arguments":{"expr":"3*4","n":[1,2]}}'
+        "</tool_call><|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>{"name":"calc","arguments":{"expr": "2+2"}}</tool_call>'
+        '<tool_call>{"name":"calc","arguments":{"expr":"3*4","n":[1,2]}}</tool_call><|im_end|>\n'
+        "<|im_start|>assistant\n4<|im_end|>\n"
+    )
+    body = re.findall(r"<tool_call>(.*?)</tool_call>", rendered)
+    assert [json.loads(b) for b in body] == [
+        {"name": "calc", "arguments": {"expr": "2+2"}},
+        {"name": "calc", "arguments": {"expr": "3*4", "n": [1, 2]}},
+    ] * 2
 
 
 def test_chat_template_rejects_unknown_role(tokenizer):
@@ -149,7 +188,8 @@ def test_tiny_model_saves_and_loads_with_identical_logits(arch, tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
         assert torch.equal(load_causal_lm(out)(ids).logits, model(ids).logits)
-    assert load_tokenizer(out).encode("12+34") == tokenizer.encode("12+34")
+    text = "What is 12 + 34? <|im_end|>\n"  # spaces: a model-type tokenizer class drops them
+    assert load_tokenizer(out).encode(text) == tokenizer.encode(text)
 
     config = json.loads((out / "config.json").read_text())
     expected_arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]

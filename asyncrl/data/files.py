@@ -5,7 +5,9 @@ resolve a hub repo), downloads are `local_files_only`, and the Arrow cache goes 
 directory that is removed after loading (`keep_in_memory`), leaving nothing in ~/.cache.
 
 An answer holding "#### N" is split like GSM8K (the HF gsm8k parquet files have that shape);
-other answers are kept as strings. Columns other than the mapped ones are passed through as extras.
+other answers are kept as strings. Columns other than the mapped ones are passed through as extras;
+among them `conversation` (a whole OpenAI message list, which SFT trains on instead of
+`messages` + `answer`) and `tools` are checked for shape.
 """
 
 from __future__ import annotations
@@ -78,6 +80,19 @@ def read_records(path: str, kind: str) -> list[dict[str, Any]]:
     return records
 
 
+def check_chat_extras(record: dict[str, Any], where: str) -> None:
+    """`conversation` (an OpenAI message list, used by SFT) and `tools` pass through as extras;
+    check their shape here, where the error can name the file and row."""
+    conv = record.get("conversation")
+    if conv is not None and not (isinstance(conv, list) and conv and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in conv)):
+        raise DatasetError(f"{where}: field 'conversation' must be a non-empty list of messages "
+                           f"with a string 'role', got {conv!r:.80}")
+    if record.get("tools") is not None and not isinstance(record["tools"], list):
+        raise DatasetError(f"{where}: field 'tools' must be a list, "
+                           f"got {type(record['tools']).__name__}")
+
+
 def to_row(record: dict[str, Any], cfg: FileDatasetConfig, where: str) -> Row:
     """One record -> row; `where` is "file: row i" for the error message."""
     present = {k: v for k, v in record.items() if v is not None}
@@ -92,6 +107,7 @@ def to_row(record: dict[str, Any], cfg: FileDatasetConfig, where: str) -> Row:
                                f"got {type(value).__name__}")
         return value
 
+    check_chat_extras(present, where)
     question = field(cfg.question_field, (str,))
     raw_answer = str(field(cfg.answer_field, (str, int, float)))
     extra = {k: v for k, v in record.items()

@@ -32,6 +32,7 @@ from asyncrl.data.arithmetic import ArithmeticTaskConfig
 from asyncrl.data.dataset import DatasetConfig
 from asyncrl.models.chat import encode_chat_prompt
 from asyncrl.models.loading import (
+    TINY_BUILD_VERSION,
     ModelConfig,
     cache_root,
     ensure_tiny_model,
@@ -43,6 +44,7 @@ from asyncrl.reward.exact import exact_answer_reward
 from asyncrl.train.hf_generate import hf_greedy_generate
 from asyncrl.train.optim import OptimizerConfig
 from asyncrl.train.sft import SFTConfig, build_examples, train_sft, with_label_noise
+from asyncrl.train.sft_conversation import first_turn
 
 RESULT_FILE = "sft_result.json"
 
@@ -73,6 +75,10 @@ class SFTResult:
 
 def cache_key(cfg: SFTRunConfig) -> str:
     payload = cfg.model_copy(update={"output_dir": None}).to_yaml()
+    if cfg.model.path is None:
+        # The result embeds the built tiny model's tokenizer (chat template included): a new
+        # builder version must not reuse a warm start saved with the old one.
+        payload += f"\ntiny_build_version: {TINY_BUILD_VERSION}\n"
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -83,11 +89,25 @@ def output_dir_for(cfg: SFTRunConfig) -> Path:
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
-    prompts = [encode_chat_prompt(tokenizer, r["messages"]) for r in rows]
+    """Mean greedy score: exact final answer for `messages` rows; for `conversation` rows, whether
+    the first assistant turn (EOS included) equals the demonstration's (for a tool agent: the
+    right tool call), which is why such eval rows should be clean demonstrations."""
+    prompts, targets = [], []
+    for r in rows:
+        if r.get("conversation") is not None:
+            ids, target = first_turn(tokenizer, r)
+            prompts.append(ids)
+            targets.append(target)
+        else:
+            prompts.append(encode_chat_prompt(tokenizer, r["messages"]))
+            targets.append(None)
     outs = hf_greedy_generate(model, prompts, max_new_tokens, tokenizer.pad_token_id,
                               tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
-    return sum(exact_answer_reward(t, r["answer"]) for t, r in zip(texts, rows)) / len(rows)
+    plain = tokenizer.batch_decode(outs, skip_special_tokens=True)
+    raw = tokenizer.batch_decode(outs, skip_special_tokens=False)
+    scores = [float(text == target) if target is not None else exact_answer_reward(p, r["answer"])
+              for p, text, target, r in zip(plain, raw, targets, rows)]
+    return sum(scores) / len(rows)
 
 
 def load_cached(out: Path) -> SFTResult | None:

@@ -32,6 +32,10 @@ ROLES = ("system", "user", "assistant", "tool")
 # Qwen-style ChatML. Whitespace control (`{{-`, `{%-`) keeps every byte of the output explicit in
 # the string literals, so the rendered prompt is exactly what the tests spell out. Content may be
 # a string, None (an assistant turn that only calls tools) or a list of OpenAI-style text parts.
+# Tools render as one `name(param,...)` line each: the model reads characters, and a JSON schema
+# per tool would add ~200 tokens to every sequence. An assistant's tool calls render as
+# `<tool_call>{"name":...,"arguments":...}</tool_call>` right after its content, the exact text the
+# proxy parses back out of generations (arguments kept verbatim when they are already a string).
 CHAT_TEMPLATE = (
     "{%- macro render_content(content) -%}"
     "{%- if content is string -%}{{- content -}}"
@@ -39,13 +43,31 @@ CHAT_TEMPLATE = (
     "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
+    "{%- macro render_tool(tool) -%}"
+    "{%- set fn = tool.function if tool.function is defined else tool -%}"
+    "{%- set params = fn.parameters if fn.parameters is defined and fn.parameters else {} -%}"
+    "{%- set props = params.properties if params.properties is defined and params.properties"
+    " else {} -%}"
+    "{{- fn.name + '(' + (props | list | join(',')) + ')' -}}"
+    "{%- endmacro -%}"
+    "{%- macro render_tool_call(call) -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{%- set args = fn.arguments if fn.arguments is defined and fn.arguments is not none"
+    " else {} -%}"
+    "{{- '<tool_call>{\"name\":' + (fn.name | tojson) + ',\"arguments\":' -}}"
+    "{%- if args is string -%}{{- args -}}"
+    "{%- else -%}{{- args | tojson(separators=(',', ':')) -}}{%- endif -%}"
+    "{{- '}</tool_call>' -}}"
+    "{%- endmacro -%}"
     "{%- set has_system = messages | length > 0 and messages[0].role == 'system' -%}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if has_system -%}{{- render_content(messages[0].content) + '\\n\\n' -}}{%- endif -%}"
-    "{{- '# Tools\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools><|im_end|>\\n' -}}"
+    "{{- '# Tools\\n' -}}"
+    "{%- for tool in tools -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}{{- render_tool(tool) -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] -%}"
@@ -54,8 +76,12 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     # With tools the system prompt was already merged into the tools block above.
     "{%- if not (tools and loop.first and has_system) -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content)"
-    " + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) -}}"
+    "{%- if message.role == 'assistant' and message.tool_calls is defined"
+    " and message.tool_calls -%}"
+    "{%- for call in message.tool_calls -%}{{- render_tool_call(call) -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"

@@ -1,7 +1,9 @@
 """Supervised fine-tuning on (prompt, answer) rows: the warm start RL begins from.
 
 Rows are chat-formatted (`messages` + `answer`); the loss covers only the assistant's reply and its
-EOS. Batches are drawn with a seeded generator, so a run is reproducible from its config.
+EOS. A row with a `conversation` (a whole OpenAI message list, tool calls included) is trained on
+every assistant turn instead (train/sft_conversation.py). Batches are drawn with a seeded
+generator, so a run is reproducible from its config.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from asyncrl.models.chat import encode_chat_prompt, encode_completion
 from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.train.losses import sft_loss
 from asyncrl.train.optim import OptimizerConfig, build_optimizer
+from asyncrl.train.sft_conversation import conversation_ids
 
 
 class SFTConfig(Config):
@@ -58,13 +61,18 @@ def _noisy(row_id: Any, seed: int, fraction: float) -> bool:
 
 def with_label_noise(rows: list[dict[str, Any]], fraction: float, offset: int,
                      seed: int = 0) -> list[dict[str, Any]]:
-    """Copies of `rows` where a seeded `fraction` of integer answers is shifted by `offset`."""
+    """Copies of `rows` where a seeded `fraction` of integer answers is shifted by `offset`.
+
+    Conversation rows are left alone: their demonstrations are the messages themselves, so a data
+    generator builds any imperfection into them (examples/tool_agent/make_data.py does).
+    """
     if fraction <= 0:
         return list(rows)
     out = []
     for row in rows:
         answer = str(row["answer"]).strip()
-        if answer.lstrip("-").isdigit() and _noisy(row.get("id"), seed, fraction):
+        if (row.get("conversation") is None and answer.lstrip("-").isdigit()
+                and _noisy(row.get("id"), seed, fraction)):
             row = {**row, "answer": str(int(answer) + offset)}
         out.append(row)
     return out
@@ -73,6 +81,9 @@ def with_label_noise(rows: list[dict[str, Any]], fraction: float, offset: int,
 def build_examples(tokenizer: Any, rows: list[dict[str, Any]]) -> list[SFTExample]:
     out = []
     for row in rows:
+        if row.get("conversation") is not None:
+            out.append(SFTExample(*conversation_ids(tokenizer, row)))
+            continue
         prompt = encode_chat_prompt(tokenizer, row["messages"])
         reply = encode_completion(tokenizer, reply_text(row))
         out.append(SFTExample(prompt + reply, [0] * len(prompt) + [1] * len(reply)))

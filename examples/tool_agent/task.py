@@ -1,0 +1,108 @@
+"""The calculator tool task: 2-digit x 2-digit products the tiny model cannot compute by itself.
+
+The agent sees `37*45=?` and one tool, `calc(expr)`. Succeeding means calling the tool with the
+right expression and copying its result into the final answer; guessing almost never works. The
+calculator is a small AST walker (never `eval`): integer literals and + - * only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calc",
+    "description": "Evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
+                   "required": ["expr"]},
+}}]
+MAX_EXPR_CHARS = 64  # bounds the size of any result: no powers, so digits grow linearly
+OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+INTEGER = re.compile(r"-?\d+")
+
+
+class CalcError(ValueError):
+    pass
+
+
+def _value(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _value(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in OPS:
+        return OPS[type(node.op)](_value(node.left), _value(node.right))
+    if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+        raise CalcError(f"unsupported operator {type(node.op).__name__}; allowed: + - *")
+    if isinstance(node, ast.Constant):
+        raise CalcError(f"only integers are allowed, got {node.value!r}")
+    raise CalcError(f"unsupported syntax: {type(node).__name__}")
+
+
+def calc(expr: str) -> str:
+    """The tool: the value of an integer + - * expression, or an "error: ..." string."""
+    if not isinstance(expr, str) or not expr.strip():
+        return "error: expr must be a non-empty string"
+    if len(expr) > MAX_EXPR_CHARS:
+        return f"error: expr longer than {MAX_EXPR_CHARS} characters"
+    try:
+        return str(_value(ast.parse(expr.strip(), mode="eval").body))
+    except (SyntaxError, CalcError) as err:
+        return f"error: {err.msg if isinstance(err, SyntaxError) else err}"
+
+
+def arguments_json(expr: str) -> str:
+    """The call's arguments as compact JSON: what the proxy returns and the template renders."""
+    return json.dumps({"expr": expr}, separators=(",", ":"))
+
+
+def tool_call_text(expr: str) -> str:
+    """A well-formed call exactly as the chat template renders it (and the model should write)."""
+    return f'<tool_call>{{"name":"calc","arguments":{arguments_json(expr)}}}</tool_call>'
+
+
+def parse_call(text: str) -> str | None:
+    """The `expr` of a reply that is exactly one well-formed calc call (content around it allowed,
+    as the proxy allows it), else None. Mirrors what the proxy turns into `tool_calls`."""
+    bodies = CALL.findall(text)
+    rest = CALL.sub("", text)
+    if len(bodies) != 1 or "<tool_call>" in rest or "</tool_call>" in rest:
+        return None
+    try:
+        obj = json.loads(bodies[0])
+    except json.JSONDecodeError:
+        return None
+    args = obj.get("arguments") if isinstance(obj, dict) else None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if obj.get("name") != "calc" or not isinstance(args, dict):
+        return None
+    expr = args.get("expr")
+    return expr if isinstance(expr, str) else None
+
+
+def make_problem(rng: random.Random) -> tuple[int, int]:
+    return rng.randint(10, 99), rng.randint(10, 99)
+
+
+def all_problems() -> list[tuple[int, int]]:
+    return [(a, b) for a in range(10, 100) for b in range(10, 100)]
+
+
+def user_message(a: int, b: int) -> str:
+    return f"{a}*{b}=?"
+
+
+def check_answer(text: str, answer: int | str) -> float:
+    """1.0 when the last integer in a final (non-tool-call) reply equals the answer."""
+    if "<tool_call>" in text:
+        return 0.0
+    numbers = INTEGER.findall(text)
+    return 1.0 if numbers and numbers[-1] == str(answer).strip() else 0.0
