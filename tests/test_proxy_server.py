@@ -299,3 +299,9 @@ def test_stop_strings_cut_text_but_recording_keeps_every_token(tokenizer):
         smp = httpx.post(f"{proxy.url}/sessions/{s['session_id']}/export", headers=ADMIN,
                          json={}).json()["samples"][0]
     assert tokenizer.decode(smp["input_ids"][-13:]) == "abc STOP def<|im_end|>"
+
+
+def test_server_keeps_idle_connections_longer_than_clients_do(real):
+    # uvicorn's default (5 s) equals httpx's pool expiry: a client reusing a connection the
+    # server was closing at that instant got APIConnectionError (seen in a 40-step agent run).
+    assert real._server.config.timeout_keep_alive == ProxyConfig().keep_alive_s >= 60

@@ -58,7 +58,8 @@ class ProxyServer:
 
     async def start(self) -> str:
         config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port,
-                                log_level="warning", lifespan="off", access_log=False)
+                                log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=self.cfg.keep_alive_s)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
