@@ -36,7 +36,9 @@ def serve(cfg: ServerConfig) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, cfg.port))
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    # keep-alive above httpx's 5 s pool expiry: clients never reuse a connection being closed
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=120))
     print(f"{READY_PREFIX}http://{host}:{port}", flush=True)
     try:
         server.run(sockets=[sock])
