@@ -213,3 +213,20 @@ def test_http_and_disk_sync_reach_the_server(server, model_dir, tmp_path):
     assert got["output_versions"] == [5] * NEW
     torch.testing.assert_close(torch.tensor(got["output_logprobs"]),
                                trainer_logprobs(model, got["output_tokens"]), atol=1e-4, rtol=0)
+
+
+def test_state_dict_dirs_reload_the_exact_tokenizer(model_dir, tmp_path):
+    """Checkpoint / disk-sync dirs once saved the tokenizer as transformers 5's
+    "TokenizersBackend"; AutoTokenizer then built a Qwen2Tokenizer from the model type, which
+    changed how tool-call text and spaces tokenized (a trained tool agent measured 0% calls)."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.models.loading import load_tokenizer
+    from asyncrl.models.tokenizer import build_char_tokenizer
+    from asyncrl.train.weight_sync import save_state_dict_dir
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    out = save_state_dict_dir(model.state_dict(), model.config, tmp_path / "ckpt",
+                              tokenizer=load_tokenizer(model_dir))
+    text = 'a b <tool_call>{"name": "calc"}</tool_call><|im_end|>'
+    assert load_tokenizer(out).encode(text) == build_char_tokenizer().encode(text)

@@ -69,10 +69,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"model dir {p} has no tokenizer files; expected one of "
                              f"{', '.join(TOKENIZER_FILES)}")
     try:
-        if _tokenizer_class(p) == "PreTrainedTokenizerFast":
+        if _tokenizer_class(p) in ("PreTrainedTokenizerFast", "TokenizersBackend"):
             # transformers 5 picks the tokenizer class from the model type (qwen2 ->
             # Qwen2Tokenizer, whose pre-tokenizer drops spaces from the tiny model's text);
-            # a directory that names the generic class gets exactly its tokenizer.json.
+            # a directory that names the generic class (4.x or 5.x spelling) gets exactly its
+            # tokenizer.json.
             return PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
         return AutoTokenizer.from_pretrained(p, local_files_only=True,
                                              trust_remote_code=trust_remote_code)

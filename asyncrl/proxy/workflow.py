@@ -31,6 +31,7 @@ class AgentWorkflow:
         self.runner = AgentRunner(self.agent, self.cfg)
         self.rejections: collections.Counter[str] = collections.Counter()
         self._starting: asyncio.Lock | None = None
+        self.closing = False
 
     async def ensure_started(self) -> str:
         if self._starting is None:
@@ -69,9 +70,12 @@ class AgentWorkflow:
 
     def reject(self, kind: str, reason: str, data: dict[str, Any]) -> None:
         self.rejections[kind] += 1
-        log.warning("%s on data id=%s; rollout rejected", reason, data.get("id"))
+        # At shutdown the episodes still in flight lose their client: expected, not a warning.
+        log.log(logging.DEBUG if self.closing else logging.WARNING,
+                "%s on data id=%s; rollout rejected", reason, data.get("id"))
         return None
 
     async def aclose(self) -> None:
+        self.closing = True
         await self.runner.aclose()
         await self.proxy.stop()

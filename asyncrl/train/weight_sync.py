@@ -90,8 +90,10 @@ def save_state_dict_dir(state_dict: Mapping[str, torch.Tensor], hf_config: Any,
     tensors = {name: t.detach().to("cpu").contiguous()
                for name, t in without_tied_aliases(state_dict.items())}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    if tokenizer is not None:  # loadable by transformers 4.x and 5.x alike, as the class it is
+        from asyncrl.models.tokenizer import save_tokenizer
+
+        save_tokenizer(tokenizer, out)
     return out
 
 
