@@ -148,11 +148,14 @@ def test_eval_scores_conversation_rows_by_their_first_turn(tok, monkeypatch):
     assert sft_launch.greedy_accuracy(None, tok, [TOOL_ROW, wrong, plain], 80) == pytest.approx(2 / 3)
 
 
-def test_sft_on_conversations_lowers_the_assistant_loss(tok):
+@pytest.mark.parametrize("autocast_dtype", ["none", "bfloat16"])
+def test_sft_on_conversations_lowers_the_assistant_loss(tok, autocast_dtype):
     model, _ = build_tiny_model_in_memory(TINY)
     examples = build_examples(tok, [TOOL_ROW])
     torch.manual_seed(0)
-    history = train_sft(model, examples, SFTConfig(steps=40, batch_size=2),
-                        OptimizerConfig(lr=3e-3, warmup_steps=0), tok.pad_token_id)
+    cfg = SFTConfig(steps=40, batch_size=2, autocast_dtype=autocast_dtype)
+    history = train_sft(model, examples, cfg, OptimizerConfig(lr=3e-3, warmup_steps=0),
+                        tok.pad_token_id)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
     assert history[0]["sft/tokens"] == 2 * sum(examples[0].target_mask)
     assert history[-1]["sft/loss"] < 0.5 * history[0]["sft/loss"]

@@ -12,7 +12,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 import torch
@@ -39,6 +39,9 @@ class SFTConfig(Config):
     # run can correct; 0 trains on clean labels. Held-out evaluation always uses true answers.
     label_noise: float = pydantic.Field(0.0, ge=0.0, le=1.0)
     label_noise_offset: int = 1
+    # As in the train engine: bf16 autocast keeps fp32 master weights and optimizer state; on a
+    # CPU with AVX512-BF16 it makes a tiny-model step ~1.5x faster.
+    autocast_dtype: Literal["none", "bfloat16"] = "none"
 
 
 @dataclass
@@ -107,9 +110,13 @@ def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": attn, "labels": labels, "label_mask": label_mask}
 
 
-def sft_step(model, batch: dict[str, torch.Tensor], opt, sched, grad_clip: float | None) -> dict:
+def sft_step(model, batch: dict[str, torch.Tensor], opt, sched, grad_clip: float | None,
+             autocast_dtype: str = "none") -> dict:
     model.train()
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    device = batch["input_ids"].device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast_dtype == "bfloat16"):
+        logits = model(input_ids=batch["input_ids"],
+                       attention_mask=batch["attention_mask"]).logits
     logp = gather_logprobs(logits, batch["labels"])
     normalizer = batch["label_mask"].sum().clamp(min=1)
     loss, stats = sft_loss(logp, batch["label_mask"], normalizer)
@@ -142,7 +149,7 @@ def train_sft(
     for step in range(1, cfg.steps + 1):
         idx = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
         stats = sft_step(model, collate([examples[i] for i in idx], pad_id), opt, sched,
-                         opt_cfg.grad_clip)
+                         opt_cfg.grad_clip, cfg.autocast_dtype)
         stats["time/elapsed_s"] = time.perf_counter() - t0
         history.append(stats)
         if on_step is not None:

@@ -2,16 +2,17 @@
 
     python -m examples.tool_agent.make_data [--out examples/tool_agent/data] [--seed 0]
 
-All 8,100 problems a*b (a, b in 10..99) are shuffled once (seeded) and partitioned, so no file
-shares a problem with another:
-  eval.jsonl       200 held-out prompts {id, question, answer} for RL evaluation and the
+All 8,100 problems a*b (a, b in 10..99) are shuffled once (seeded); 200 are held out:
+  eval.jsonl       the 200 held-out prompts {id, question, answer}, for RL evaluation and the
                    warm-start measurement;
   sft_eval.jsonl   the same 200 problems as clean tool-use conversations (SFT's eval rows: its
                    greedy score is "first turn == the right tool call");
-  sft.jsonl        3,000 conversation rows, a deliberately imperfect mixture so that RL has room
-                   to improve: ~55% correct tool use, ~25% a direct (wrong) guess without the
-                   tool, ~20% a malformed tool call after which the conversation ends;
-  train.jsonl      the other 4,900 prompts for RL.
+  sft.jsonl        one conversation row per other problem (7,900), a deliberately imperfect
+                   mixture so that RL has room to improve: ~55% correct tool use, ~25% a direct
+                   (wrong) guess without the tool, ~20% a malformed tool call after which the
+                   conversation ends. Every problem, not a subset: the model must learn to copy
+                   the operands, and with few distinct rows it memorises them instead;
+  train.jsonl      the same 7,900 problems as RL prompts.
 The prompt rows' `question` is the user message itself (FileDatasetConfig's default
 prompt_template "{question}" turns it into `messages`); agents pass `tools=TOOLS`.
 """
@@ -28,7 +29,7 @@ from typing import Any
 from examples.tool_agent.task import (TOOLS, all_problems, arguments_json, calc, tool_call_text,
                                       user_message)
 
-NUM_EVAL, NUM_SFT = 200, 3000
+NUM_EVAL = 200
 MIXTURE = (("tool", 0.55), ("direct", 0.25), ("malformed", 0.20))
 
 
@@ -93,13 +94,12 @@ def make_files(out: Path, seed: int = 0) -> dict[str, int]:
     rng = random.Random(seed)
     problems = all_problems()
     rng.shuffle(problems)
-    held_out, sft, rl = (problems[:NUM_EVAL], problems[NUM_EVAL:NUM_EVAL + NUM_SFT],
-                         problems[NUM_EVAL + NUM_SFT:])
+    held_out, train = problems[:NUM_EVAL], problems[NUM_EVAL:]
     out.mkdir(parents=True, exist_ok=True)
-    sft_rows = [sft_row(pick_kind(rng), a, b, rng) for a, b in sft]
+    sft_rows = [sft_row(pick_kind(rng), a, b, rng) for a, b in train]
     write_jsonl(out / "sft.jsonl", sft_rows)
     write_jsonl(out / "sft_eval.jsonl", [sft_row("tool", a, b, rng) for a, b in held_out])
-    write_jsonl(out / "train.jsonl", [prompt_row(a, b) for a, b in rl])
+    write_jsonl(out / "train.jsonl", [prompt_row(a, b) for a, b in train])
     write_jsonl(out / "eval.jsonl", [prompt_row(a, b) for a, b in held_out])
     return dict(Counter(r["kind"] for r in sft_rows))
 
