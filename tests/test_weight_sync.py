@@ -161,7 +161,10 @@ def test_in_process_sync_updates_every_engine(model_dir):
         asyncio.run(sync_in_process(engines, model.state_dict(), version=3))
         for e in engines:
             assert e.get_version() == 3
-            tokens, logprobs, versions = greedy(e.engine)  # engine thread idle: direct use is safe
+            # Stop the engine thread before driving its LLMEngine from this thread: an idle
+            # thread still steps, and a request added here could be finished twice.
+            e.shutdown()
+            tokens, logprobs, versions = greedy(e.engine)
             assert versions == [3] * NEW
             torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, tokens),
                                        atol=1e-4, rtol=0)
