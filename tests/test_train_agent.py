@@ -61,7 +61,7 @@ def test_agent_config_errors_are_one_line(model_dir, tmp_path):
 
 
 def test_example_agent_configs_validate():
-    for name in ("math_agent", "retry_agent", "tool_agent"):
+    for name in ("math_agent", "retry_agent", "tool_agent", "agents_sdk"):
         path = ROOT / "examples" / name / "train.yaml"
         if path.is_file():
             cfg = TrainRunConfig.load(str(path), [])
