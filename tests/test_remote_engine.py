@@ -40,7 +40,7 @@ from asyncrl.inference.routing import Routing, ServerHealth, ServerPool
 from asyncrl.models.loading import load_causal_lm
 
 KEY = "remote-test-key"
-CTX = 256
+CTX = 1024  # long sequences: a weight update must land while they are still generating
 
 
 # ---- pure logic: routing, continuation, gate, config ----------------------------------------
@@ -391,7 +391,7 @@ def test_rejected_request_is_not_retried(servers):
 
     async def main():
         with pytest.raises(RemoteRequestError, match="max_seq_len"):
-            await engine.agenerate(ModelRequest([1] * 200, fixed_len(100)))
+            await engine.agenerate(ModelRequest([1] * (CTX - 50), fixed_len(100)))
         await engine.aclose()
 
     asyncio.run(main())
@@ -415,7 +415,8 @@ def hf_logprobs(model, ids: list[int], start: int) -> list[float]:
 def test_weight_update_interrupts_and_generation_continues_with_mixed_versions(
         servers, model_dir, new_weights):
     engine = make_engine(servers)
-    n = 240
+    # ~1,000 tokens: on an idle machine 240 finished between the poll and the pause (all old).
+    n = CTX - 24
     prompts = [[11 + i, 12, 13, 14] for i in range(9)]
 
     async def main():

@@ -36,6 +36,9 @@ def serve(cfg: ServerConfig) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, cfg.port))
     host, port = sock.getsockname()[:2]
+    # Listen before announcing READY: a client connecting while uvicorn still starts waits in
+    # the backlog instead of being refused (seen under load as ConnectError on a fresh server).
+    sock.listen(2048)
     # keep-alive above httpx's 5 s pool expiry: clients never reuse a connection being closed
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
                                            timeout_keep_alive=120))
