@@ -159,3 +159,12 @@ def test_sft_on_conversations_lowers_the_assistant_loss(tok, autocast_dtype):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
     assert history[0]["sft/tokens"] == 2 * sum(examples[0].target_mask)
     assert history[-1]["sft/loss"] < 0.5 * history[0]["sft/loss"]
+
+
+def test_sft_cache_key_follows_the_data_files_contents(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [TOOL_ROW])
+    cfg = sft_launch.SFTRunConfig.from_dict({"data": {"kind": "jsonl", "path": path}})
+    before = sft_launch.cache_key(cfg)
+    assert sft_launch.cache_key(cfg) == before
+    write_jsonl(tmp_path / "c.jsonl", [{**TOOL_ROW, "answer": "409"}])
+    assert sft_launch.cache_key(cfg) != before

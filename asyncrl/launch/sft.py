@@ -79,6 +79,12 @@ def cache_key(cfg: SFTRunConfig) -> str:
         # The result embeds the built tiny model's tokenizer (chat template included): a new
         # builder version must not reuse a warm start saved with the old one.
         payload += f"\ntiny_build_version: {TINY_BUILD_VERSION}\n"
+    # A regenerated data file must not hit the warm start trained on its old contents.
+    for name in ("path", "eval_path"):
+        data_file = getattr(cfg.data, name, None)
+        if data_file and Path(data_file).is_file():
+            digest = hashlib.sha256(Path(data_file).read_bytes()).hexdigest()
+            payload += f"\n{name}_sha256: {digest}"
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
