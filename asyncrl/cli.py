@@ -59,8 +59,25 @@ def cmd_eval(ns: argparse.Namespace) -> int:
              "max_new_tokens": ns.max_new_tokens}
     cfg = EvalConfig.from_dict({k: v for k, v in given.items() if v is not None}, "options")
     run_eval_job(ns.checkpoint, ns.data, cfg, reward=ns.reward, limit=ns.limit,
-                 json_out=Path(ns.json) if ns.json else None, console=Console())
+                 json_out=Path(ns.json) if ns.json else None, console=Console(),
+                 inference=_eval_inference(ns))
     return 0
+
+
+def _eval_inference(ns: argparse.Namespace):
+    """None (the built-in engine in process), or the servers `--backend`/`--address` name."""
+    if ns.backend == "builtin":
+        if ns.address or ns.server_python:
+            raise UserError("--address and --server-python need --backend asyncrl|vllm|sglang")
+        return None
+    from asyncrl.launch.train_config import InferenceLaunchConfig
+
+    if ns.address:
+        return InferenceLaunchConfig.from_dict(
+            {"mode": "remote", "remote": {"addresses": ns.address, "backend": ns.backend}},
+            "options")
+    return InferenceLaunchConfig.from_dict(
+        {"mode": "local", "backend": ns.backend, "server_python": ns.server_python}, "options")
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -148,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exact | math | package.module:function (reward(completion, row))")
     ev.add_argument("--json", default=None, metavar="OUT",
                     help="write the summary and per-problem records here")
+    ev.add_argument("--backend", default="builtin",
+                    choices=["builtin", "asyncrl", "vllm", "sglang"],
+                    help="builtin: the engine in this process; otherwise servers of this kind, "
+                         "started here (or --address)")
+    ev.add_argument("--address", action="append", default=[], metavar="URL",
+                    help="use this running server (repeatable) instead of starting one")
+    ev.add_argument("--server-python", default=None, metavar="PYTHON",
+                    help="the interpreter that has vLLM/SGLang installed (default: this one)")
     ev.set_defaults(func=cmd_eval)
     return parser
 

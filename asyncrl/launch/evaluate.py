@@ -11,11 +11,14 @@ A sample is *correct* when its reward exceeds CORRECT_THRESHOLD (0.5): binary ve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -339,6 +342,30 @@ def print_summary(console: Console, result: EvalResult, title: str) -> None:
     console.print(table)
 
 
+@contextlib.contextmanager
+def _eval_engine(model_dir: Path, inference: Any, max_num_seqs: int, max_seq_len: int,
+                 num_threads: int | None, console: Console) -> Iterator[Any]:
+    if inference is None:
+        from asyncrl.inference.async_engine import AsyncLLMEngine
+        from asyncrl.inference.engine import EngineConfig
+
+        engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_num_seqs=max_num_seqs,
+                                             max_seq_len=max_seq_len, num_threads=num_threads))
+        try:
+            yield engine, None
+        finally:
+            engine.shutdown()
+        return
+    from asyncrl.launch.rollout_engines import open_rollout_engines
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
+        where = (f"{inference.num_servers} local {inference.backend} server(s)"
+                 if inference.mode == "local" else f"{inference.remote.addresses}")
+        console.print(f"eval: generating with {where}", soft_wrap=True)
+        with open_rollout_engines(inference, model_dir, Path(tmp) / "logs") as engines:
+            yield engines.engine, partial(engines.start_checks, 0)
+
+
 def run_eval_job(
     model_path: str | Path,
     data: str,
@@ -349,14 +376,15 @@ def run_eval_job(
     console: Console | None = None,
     max_num_seqs: int = 64,
     num_threads: int | None = None,
+    inference: Any = None,
 ) -> EvalResult:
     """`asyncrl eval`: every row of `data` (the first `limit`) against the model at `model_path`.
 
-    Library imports are deferred to here and to `evaluate` so the CLI rejects bad flags without
-    spending seconds importing torch and transformers.
+    `inference` (an InferenceLaunchConfig, mode local or remote) evaluates through servers: the
+    same backends, launcher and startup checks as `asyncrl train`; None runs the built-in engine
+    in this process. Library imports are deferred to here and to `evaluate` so the CLI rejects
+    bad flags without spending seconds importing torch and transformers.
     """
-    from asyncrl.inference.async_engine import AsyncLLMEngine
-    from asyncrl.inference.engine import EngineConfig
     from asyncrl.models.loading import load_tokenizer
 
     console = console or Console(stderr=True)
@@ -370,19 +398,23 @@ def run_eval_job(
     sampling = f" + {n} samples at T={cfg.temperature}" if n else ""
     console.print(f"eval: model {model_dir}", soft_wrap=True)  # paths stay greppable: no wrap
     console.print(f"eval: {len(rows)} problems from {data}; greedy{sampling}", soft_wrap=True)
-    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_num_seqs=max_num_seqs,
-                                         max_seq_len=max_seq_len, num_threads=num_threads))
-    try:
-        with open_reward(reward) as reward_fn, Progress(
+    with contextlib.ExitStack() as stack:
+        engine, startup = stack.enter_context(_eval_engine(model_dir, inference, max_num_seqs,
+                                                           max_seq_len, num_threads, console))
+        reward_fn = stack.enter_context(open_reward(reward))
+        with Progress(
             TextColumn("[bold]eval"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console,
         ) as progress:
             task = progress.add_task("eval", total=len(rows))
-            result = asyncio.run(evaluate(
-                engine, tokenizer, rows, reward_fn, cfg,
-                on_progress=lambda done, total: progress.update(task, completed=done)))
-    finally:
-        engine.shutdown()
+            async def checked_eval() -> EvalResult:
+                if startup is not None:  # server checks on the loop the evaluation uses
+                    await startup()
+                return await evaluate(
+                    engine, tokenizer, rows, reward_fn, cfg,
+                    on_progress=lambda done, total: progress.update(task, completed=done))
+
+            result = asyncio.run(checked_eval())
     print_summary(console, result, "eval summary")
     if json_out is not None:
         payload = {"model": str(model_dir), "data": data, "reward": reward,

@@ -1,9 +1,11 @@
 """Inference servers as local processes: start, wait until ready, and always stop them.
 
-Each server is `python -m asyncrl.cli serve --port 0 ...` in a session of its own (so a terminal
-Ctrl-C reaches only the trainer, which then shuts the servers down in order), with the kernel told
-to SIGTERM it should the trainer die without cleaning up (Linux `PR_SET_PDEATHSIG`): no orphan
-survives a crash or a SIGKILL of the job. Server output goes to `log_dir/server_<i>.log`.
+Each server (`asyncrl serve`, vLLM or SGLang: the command lines are in `server_commands.py`) runs
+in a session of its own (so a terminal Ctrl-C reaches only the trainer, which then shuts the
+servers down in order), with the kernel told to SIGTERM it should the trainer die without cleaning
+up (Linux `PR_SET_PDEATHSIG`): no orphan survives a crash or a SIGKILL of the job. Server output
+goes to `log_dir/server_<i>.log`. Ready means: the announced address (asyncrl serve, port 0), or
+the health route answering 200 on the chosen port (vLLM, SGLang).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.launch.serve import READY_PREFIX
+import httpx
+
+from asyncrl.launch.server_commands import READY_PREFIX, ServerCommand
 
 PR_SET_PDEATHSIG = 1
 
@@ -35,52 +39,75 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class LocalServers:
-    """`with LocalServers(model_dir, n, log_dir) as servers: servers.urls, servers.api_key`."""
+    """`with LocalServers(make_command, n, log_dir) as servers: servers.urls, servers.api_key`.
 
-    def __init__(self, model_dir: str | Path, count: int, log_dir: str | Path,
-                 overrides: Sequence[str] = (), startup_timeout_s: float = 180.0,
+    `make_command(api_key)` returns the ServerCommand of one server (called once per server, so
+    each gets its own port)."""
+
+    def __init__(self, make_command: Callable[[str], ServerCommand], count: int,
+                 log_dir: str | Path, startup_timeout_s: float = 180.0,
                  api_key: str | None = None) -> None:
         if count < 1:
             raise ValueError(f"count={count} is out of range; allowed [1, inf)")
-        self.model_dir, self.count = str(model_dir), count
+        self.make_command, self.count = make_command, count
         self.log_dir = Path(log_dir)
-        self.overrides, self.timeout = list(overrides), startup_timeout_s
+        self.timeout = startup_timeout_s
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.procs: list[subprocess.Popen] = []
+        self.commands: list[ServerCommand] = []
         self.urls: list[str] = []
 
     def start(self) -> LocalServers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", ASYNCRL_SERVER_API_KEY=self.api_key)
-        cmd = [sys.executable, "-m", "asyncrl.cli", "serve", "--model", self.model_dir,
-               "--port", "0", *self.overrides]
         try:
             for i in range(self.count):  # all start together: each spends seconds importing
+                cmd = self.make_command(self.api_key)
+                env = dict(os.environ, PYTHONUNBUFFERED="1", **cmd.env)
                 log = open(self.log_dir / f"server_{i}.log", "w")  # noqa: SIM115 (child owns it)
                 self.procs.append(subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                    start_new_session=True, preexec_fn=_die_with_parent))
+                    cmd.argv, stdout=subprocess.PIPE if cmd.port == 0 else log, stderr=log,
+                    text=True, env=env, start_new_session=True, preexec_fn=_die_with_parent))
+                self.commands.append(cmd)
                 log.close()
-            self.urls = [self._wait_ready(i, p) for i, p in enumerate(self.procs)]
+            deadline = time.monotonic() + self.timeout
+            self.urls = [self._wait_ready(i, p, c, deadline)
+                         for i, (p, c) in enumerate(zip(self.procs, self.commands))]
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self, i: int, proc: subprocess.Popen) -> str:
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(self.timeout)
-        got = line[0] if line else ""
-        if got.startswith(READY_PREFIX):
-            return got[len(READY_PREFIX):].strip()
+    def _wait_ready(self, i: int, proc: subprocess.Popen, cmd: ServerCommand,
+                    deadline: float) -> str:
+        if cmd.port == 0:
+            line: list[str] = []
+            reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()),
+                                      daemon=True)
+            reader.start()
+            reader.join(max(0.0, deadline - time.monotonic()))
+            got = line[0] if line else ""
+            if got.startswith(READY_PREFIX):
+                return got[len(READY_PREFIX):].strip()
+        else:
+            url = f"http://127.0.0.1:{cmd.port}"
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if httpx.get(url + cmd.health_path, timeout=2.0).status_code == 200:
+                        return url
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
         status = proc.poll()
         why = (f"exited with status {status}" if status is not None
-               else f"printed no address within {self.timeout:.0f}s")
-        tail = (self.log_dir / f"server_{i}.log").read_text(errors="replace")[-2000:]
-        raise ServerStartError(f"inference server {i} ({self.model_dir}) {why}; "
+               else f"was not ready within {self.timeout:.0f}s (raise "
+                    "inference.startup_timeout_s if it is only slow)")
+        tail = (self.log_dir / f"server_{i}.log").read_text(errors="replace")[-3000:]
+        raise ServerStartError(f"inference server {i} ({' '.join(cmd.argv[:4])} ...) {why}; "
                                f"log {self.log_dir / f'server_{i}.log'}:\n{tail}")
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one server (tests of failover)."""
+        self.procs[index].kill()
 
     def alive(self) -> list[bool]:
         return [p.poll() is None for p in self.procs]

@@ -5,7 +5,12 @@ InferenceEngine the executor drives) and `.push(state_dict, version)` (a corouti
 executor's event loop). In process, the update is applied between two engine steps and sequences
 in flight continue under the new weights. Over HTTP the client pauses the servers (requests in
 flight come back partial and are continued after the update, so one sequence may hold tokens of
-two versions), streams the weights in buckets or has the servers load a directory, and resumes.
+two versions), streams the weights in buckets or has the servers load a directory, checks that
+each server reports the new version, and resumes. With a `LogprobCheck` attached, the servers'
+logprobs are then compared with the trainer's.
+
+Servers are checked before the first rollout (`check_servers`: version range, routes, logprobs
+mode). A vLLM server is given an untied copy of a tied model (see backends.VLLMBackend).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +26,29 @@ import torch
 
 from asyncrl.api import InferenceEngine, WeightUpdateMeta
 from asyncrl.launch.train_config import InferenceLaunchConfig
+from asyncrl.launch.weight_check import LogprobCheck
 
 
 class RolloutEngines:
     def __init__(self, engine: InferenceEngine, cfg: InferenceLaunchConfig, remote: bool,
-                 weights_dir: Path, urls: list[str] | None = None) -> None:
+                 weights_dir: Path, urls: list[str] | None = None,
+                 untie: bool = False, servers: Any = None) -> None:
         self.engine, self.cfg, self.remote = engine, cfg, remote
         self.weights_dir, self.urls = weights_dir, urls or []
+        self.untie = untie  # disk updates write an output head of their own
+        self.servers = servers  # LocalServers, when this job started them
+        self.check: LogprobCheck | None = None  # attached by the job (it needs the trainer)
+        self._updates = 0
 
     async def push(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                   hf_config: Any = None, tokenizer: Any = None) -> None:
-        """Every engine serves `version` when this returns (disk sync needs `hf_config`)."""
-        if self.cfg.weight_sync == "disk":
+                   hf_config: Any = None, tokenizer: Any = None) -> dict[str, float]:
+        """Every engine serves `version` when this returns (disk sync needs `hf_config`).
+        Returns the logprob check's metrics when one ran."""
+        if self.cfg.sync_kind == "disk":
             from asyncrl.train.weight_sync import save_state_dict_dir
 
             path = save_state_dict_dir(state_dict, hf_config, self.weights_dir / f"v{version}",
-                                       tokenizer)
+                                       tokenizer, untie=self.untie)
             _remove_older(self.weights_dir, version)
             meta = WeightUpdateMeta.from_disk(str(path), version)
             payload: dict[str, Any] = {}
@@ -45,12 +58,26 @@ class RolloutEngines:
                        else {"state_dict": state_dict})
         if not self.remote:
             await self.engine.update_weights(meta, **payload)
-            return
+            return {}
         self.engine.pause()
         try:
             await self.engine.update_weights(meta, **payload)
         finally:
             self.engine.resume()
+        self._updates += 1
+        every = self.cfg.check_logprobs_every
+        if self.check is not None and every and self._updates % every == 0:
+            return await self.check.run(self.engine, version)
+        return {}
+
+    async def start_checks(self, version: int) -> dict[str, float]:
+        """Before the first rollout: the servers' own checks, then the logprob probe."""
+        if not self.remote:
+            return {}
+        await self.engine.check_servers()
+        if self.check is not None and self.cfg.check_logprobs_every:
+            return await self.check.run(self.engine, version)
+        return {}
 
 
 def _remove_older(weights_dir: Path, version: int) -> None:
@@ -77,21 +104,37 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
             engine.shutdown()
         return
 
+    from asyncrl.inference.backends import make_backend
     from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
 
+    untie = make_backend(cfg.server_backend).needs_untied_head
+    servers = None
     with contextlib.ExitStack() as stack:
         if cfg.mode == "local":
             from asyncrl.launch.local_servers import LocalServers
 
-            overrides = [f"engine.max_num_seqs={cfg.max_num_seqs}", f"engine.dtype={cfg.dtype}"]
-            if cfg.num_threads:
-                overrides.append(f"engine.num_threads={cfg.num_threads}")
-            servers = stack.enter_context(LocalServers(
-                model_dir, cfg.num_servers, log_dir, overrides, cfg.startup_timeout_s))
-            remote_cfg = RemoteEngineConfig(addresses=servers.urls, api_key=servers.api_key)
+            served = str(model_dir)
+            if untie:
+                from asyncrl.train.weight_sync import untied_copy
+
+                served = str(untied_copy(model_dir, log_dir.parent / "served_model"))
+            make = partial(_command, cfg, served)
+            servers = stack.enter_context(LocalServers(make, cfg.num_servers, log_dir,
+                                                       cfg.startup_timeout_s))
+            remote_cfg = RemoteEngineConfig(addresses=servers.urls, api_key=servers.api_key,
+                                            backend=cfg.backend)
         else:
             remote_cfg = cfg.remote
         engine = RemoteInferenceEngine(remote_cfg)
         stack.callback(engine.close)
         yield RolloutEngines(engine, cfg, remote=True, weights_dir=weights_dir,
-                             urls=list(remote_cfg.addresses))
+                             urls=list(remote_cfg.addresses), untie=untie, servers=servers)
+
+
+def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str) -> Any:
+    from asyncrl.launch.server_commands import server_command
+
+    return server_command(cfg.backend, model_dir, python=cfg.server_python,
+                          max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
+                          num_threads=cfg.num_threads, api_key=api_key,
+                          extra_args=cfg.server_args)

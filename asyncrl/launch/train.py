@@ -33,6 +33,7 @@ from asyncrl.launch.evaluate import EvalResult, evaluate
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rewards import open_reward
 from asyncrl.launch.rollout_engines import RolloutEngines, open_rollout_engines
+from asyncrl.launch.weight_check import LogprobCheck
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
 from asyncrl.launch.run_checkpoints import LoopState, latest_checkpoint, load_loop_state
 from asyncrl.launch.run_logger import RunLogger
@@ -186,6 +187,8 @@ class RLJob:
                 update={"dump_dir": cfg.rollout.dump_dir or str(self.run_dir / "rollouts")})
             executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg))
             executor.set_version(state.version)
+            engines.check = self._logprob_check(group, tokenizer)
+            executor.run(engines.start_checks(state.version))
             stream = DataStream(dataset.train_rows(), cfg.seed, state.data_position)
             logger = stack.enter_context(RunLogger(
                 self.run_dir, cfg.logging, config=cfg.model_dump(mode="json"),
@@ -195,6 +198,17 @@ class RLJob:
             stop = stack.enter_context(StopRequest())
             _Loop(self, state, tokenizer, reward_fn, engines, group, executor, stream, logger,
                   progress, stop).run()
+
+    def _logprob_check(self, group: TrainerGroup, tokenizer: Any) -> LogprobCheck | None:
+        """The post-update probe: the first eval row's prompt (in-distribution text)."""
+        from asyncrl.models.chat import encode_chat_prompt
+
+        cfg = self.cfg
+        if not self.eval_rows or "messages" not in self.eval_rows[0]:
+            return None
+        prompt = encode_chat_prompt(tokenizer, self.eval_rows[0]["messages"])
+        return LogprobCheck(group.score, prompt, cfg.train.temperature,
+                            cfg.inference.check_logprobs_tolerance)
 
     def _initial_state(self) -> tuple[LoopState, Path, Path | None, Path]:
         """(loop state, weights the engines start from, checkpoint to load, base model)."""
@@ -317,8 +331,8 @@ class _Loop:
         metrics.update(self.group.train_step(trajs))
         t2 = time.perf_counter()
         new_version = self.trainer.get_version()
-        self.executor.run(self.engines.push(self.group.state_dict(), new_version,
-                                            self.trainer.model.config, self.tokenizer))
+        metrics.update(self.executor.run(self.engines.push(
+            self.group.state_dict(), new_version, self.trainer.model.config, self.tokenizer)))
         self.executor.set_version(new_version)
         t3 = time.perf_counter()
         self.state.step += 1

@@ -57,27 +57,63 @@ class InferenceLaunchConfig(Config):
 
     - inprocess: the built-in engine on a thread of the trainer process (smallest runs; weights
       are handed over in memory, in-flight sequences continue under the new version).
-    - local: `num_servers` `asyncrl serve` processes on 127.0.0.1 started and stopped by the job;
-      weights are streamed to them over HTTP in buckets.
-    - remote: servers someone else runs (`remote.addresses`; asyncrl, vLLM or SGLang).
+    - local: `num_servers` servers of `backend` on 127.0.0.1, started and stopped by the job
+      (asyncrl serve; vLLM or SGLang from `server_python`, the interpreter that has them).
+    - remote: servers someone else runs (`remote.addresses`, `remote.backend`).
+
+    Weights reach servers as HTTP tensor buckets (asyncrl) or a directory they load (every
+    backend); `weight_sync: auto` picks buckets where the backend has them. Every server is
+    checked before use (version range, routes, logprobs mode), must report each new version,
+    and every `check_logprobs_every` updates generates a short probe whose logprobs are compared
+    with the trainer's (a wrong model or a failed reload shows up there).
     """
 
     mode: Literal["inprocess", "local", "remote"] = "inprocess"
+    backend: Literal["asyncrl", "vllm", "sglang"] = "asyncrl"  # local; remote: remote.backend
     num_servers: int = pydantic.Field(1, ge=1)  # local
+    server_python: str | None = None  # local vllm/sglang: its python (default: this one)
+    server_args: list[str] = []  # local: extra command-line arguments for every server
     max_num_seqs: int = pydantic.Field(256, ge=1)  # inprocess / local engines
     dtype: Literal["float32", "bfloat16"] = "float32"
     num_threads: int | None = pydantic.Field(1, ge=1, description="torch threads per engine")
-    startup_timeout_s: float = pydantic.Field(180.0, gt=0)  # local servers
+    startup_timeout_s: float = pydantic.Field(300.0, gt=0)  # local servers
     remote: RemoteEngineConfig | None = None
-    weight_sync: Literal["tensors", "disk"] = "tensors"  # local/remote: HTTP buckets or a dir
+    weight_sync: Literal["auto", "tensors", "disk"] = "auto"
     bucket_bytes: int = pydantic.Field(64 << 20, ge=1 << 16)
+    check_logprobs_every: int = pydantic.Field(1, ge=0)  # weight updates; 0: never
+    # mean |served - trainer| logprob over the probe's tokens; fp32 servers agree within ~1e-5,
+    # bf16 ones within ~1e-2, a stale or wrong model is off by tenths
+    check_logprobs_tolerance: float = pydantic.Field(0.05, gt=0)
 
     @pydantic.model_validator(mode="after")
-    def _remote_needs_addresses(self) -> InferenceLaunchConfig:
+    def _consistent(self) -> InferenceLaunchConfig:
         if self.mode == "remote" and self.remote is None:
             raise ValueError("inference.mode='remote' needs inference.remote.addresses "
                              "(e.g. [http://10.0.0.5:8000])")
+        if self.mode == "remote" and "backend" in self.model_fields_set \
+                and self.backend != self.remote.backend:
+            raise ValueError(f"inference.backend={self.backend!r} differs from inference.remote."
+                             f"backend={self.remote.backend!r}; remote servers take "
+                             "inference.remote.backend (set only that one)")
+        if self.mode == "inprocess" and self.backend != "asyncrl":
+            raise ValueError(f"inference.backend={self.backend!r} needs inference.mode='local' "
+                             "(the job starts the servers) or 'remote'; 'inprocess' runs the "
+                             "built-in engine")
+        if self.weight_sync == "tensors" and self.server_backend != "asyncrl":
+            raise ValueError(f"inference.weight_sync='tensors' is not supported by backend "
+                             f"{self.server_backend!r} (no HTTP tensor route); allowed: auto, disk")
         return self
+
+    @property
+    def server_backend(self) -> str:
+        return self.remote.backend if self.mode == "remote" else self.backend
+
+    @property
+    def sync_kind(self) -> str:
+        """'tensors' or 'disk', with auto resolved."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "tensors" if self.server_backend == "asyncrl" else "disk"
 
 
 def _default_generation() -> GenerationConfig:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.api import Trajectory
+from asyncrl.api import Sample, Trajectory
 from asyncrl.launch.run_checkpoints import LoopState, save_run_checkpoint
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
 from asyncrl.train.ppo_actor import PPOActor, PPOActorConfig
@@ -83,6 +83,12 @@ class TrainerGroup:
         self._command("train", trajs)
         return self.actor.train_step(trajs)
 
+    def score(self, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+        """The trainer's logprobs of `output_ids` after `prompt_ids` (every rank computes them:
+        under FSDP the forward is collective)."""
+        self._command("score", (prompt_ids, output_ids))
+        return _score(self.trainer, prompt_ids, output_ids)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights (on rank 0)."""
         self._command("state_dict")
@@ -102,6 +108,8 @@ class TrainerGroup:
             name, payload = broadcast(None)
             if name == "train":
                 self.actor.train_step(payload)
+            elif name == "score":
+                _score(self.trainer, *payload)
             elif name == "state_dict":
                 self.trainer.model_state_dict()
             elif name == "checkpoint":
@@ -110,3 +118,9 @@ class TrainerGroup:
                 return
             else:
                 raise RuntimeError(f"unknown trainer command {name!r} from rank 0")
+
+
+def _score(trainer: HFTrainEngine, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+    n = len(output_ids)
+    sample = Sample.from_prompt_and_completion(prompt_ids, output_ids, [0.0] * n, [0] * n)
+    return trainer.forward([sample])[0][-n:].tolist() if n else []

