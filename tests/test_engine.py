@@ -307,11 +307,14 @@ def test_async_engine_protocol_pause_and_updates(model_dir, hf, prompts, hf_gree
         assert [o.output_tokens for o in outs] == hf_greedy
         with pytest.raises(ValueError, match="n_samples"):
             await engine.agenerate(ModelRequest(prompts[0], GenerationConfig(n_samples=4)))
-        # pause aborts what is in flight; requests made while paused wait for resume
-        long = asyncio.ensure_future(engine.agenerate(ModelRequest(prompts[0], greedy(90))))
-        await asyncio.sleep(0.05)
+        # pause aborts what is in flight; requests made while paused wait for resume. Paused at
+        # its first streamed tokens: a fast machine generates all 90 within any fixed sleep.
+        stream = engine.agenerate_stream(ModelRequest(prompts[0], greedy(90)))
+        first = await anext(stream)
         engine.pause()
-        aborted = await long
+        async for aborted in stream:
+            pass
+        assert not isinstance(first, ModelResponse)
         assert aborted.stop_reason == StopReason.ABORT and aborted.output_len < 90
         assert_prefix(aborted.output_tokens, hf_greedy[0])
         queued = asyncio.ensure_future(engine.agenerate(ModelRequest(prompts[1], greedy(4))))

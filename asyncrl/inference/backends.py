@@ -96,16 +96,30 @@ def _version_verdict(server: str, tested: tuple[tuple[int, ...], tuple[int, ...]
     return verdict
 
 
+@dataclass
+class Delta:
+    """One event of a streamed generation call: new tokens, and the stop reason on the last."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason | None = None
+
+
 class Backend(Protocol):
     name: str
     supports_tensor_push: bool  # /update_weights/tensors buckets (weight_buckets.py)
+    supports_stream: bool  # generate_call(stream=True) answers server-sent events
     # The served model must hold lm_head.weight of its own (see VLLMBackend): disk updates then
     # write it even when the trainer's model ties it to the embeddings.
     needs_untied_head: bool
 
-    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str) -> HttpCall: ...
+    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
+                      stream: bool = False) -> HttpCall: ...
 
     def parse_generate(self, body: Any) -> Segment: ...
+
+    def parse_stream_event(self, event: Any) -> Delta:
+        """One `data:` event of a streamed call (backends with supports_stream)."""
 
     def health_call(self) -> HttpCall: ...
 
@@ -143,12 +157,14 @@ class AsyncrlBackend:
 
     name = "asyncrl"
     supports_tensor_push = True
+    supports_stream = False
     needs_untied_head = False
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # unused: the server serves one model
 
-    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str) -> HttpCall:
+    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
+                      stream: bool = False) -> HttpCall:
         g = gconfig
         body = {
             "input_ids": input_ids, "rid": rid, "max_new_tokens": g.max_new_tokens,
@@ -225,6 +241,10 @@ class VLLMBackend:
       temperature. `server_checks` refuses any other mode.
     - Every sampling field is sent (NEUTRAL_SAMPLING too), so generation_config.json defaults
       cannot change what the server samples.
+    - Calls stream (server-sent events carry token_ids and logprobs deltas), so a server that dies
+      mid-call costs only the tokens it had not sent yet.
+    - min_tokens masks EOS before vLLM computes processed logprobs: with min_new_tokens > 0 the
+      logprobs of those tokens are renormalised without EOS (they differ from a full softmax).
     - /pause?mode=abort returns in-flight requests with finish_reason "abort" and their partial
       output; the client continues them after the update (per-token versions stamped here: the
       completions reply carries none).
@@ -243,13 +263,15 @@ class VLLMBackend:
 
     name = "vllm"
     supports_tensor_push = False
+    supports_stream = True
     needs_untied_head = True
     tested = ((0, 32), (0, 33))
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model
 
-    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str) -> HttpCall:
+    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
+                      stream: bool = False) -> HttpCall:
         g = gconfig
         body: dict[str, Any] = {
             "prompt": input_ids, "max_tokens": g.max_new_tokens, "min_tokens": g.min_new_tokens,
@@ -258,13 +280,31 @@ class VLLMBackend:
             "stop": list(g.stop), "stop_token_ids": list(g.stop_token_ids),
             "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True,
             "skip_special_tokens": False, "include_stop_str_in_output": True,
-            "n": 1, "stream": False, "request_id": rid,
+            "n": 1, "stream": stream, "request_id": rid,
         }
         if g.seed is not None:
             body["seed"] = g.seed
         if self.model is not None:
             body["model"] = self.model
         return HttpCall("POST", "/v1/completions", json=body)
+
+    def parse_stream_event(self, event: Any) -> Delta:
+        if isinstance(event, dict) and "error" in event:
+            raise BackendReplyError(f"vLLM stream error: {str(event['error'])[:300]}")
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if not choices:  # a usage-only event
+            return Delta([], [])
+        choice = choices[0]
+        ids = list(choice.get("token_ids") or [])
+        logprobs = choice.get("logprobs") or {}
+        values = logprobs.get("token_logprobs") or []
+        if len(values) != len(ids) or any(v is None for v in values):
+            raise BackendReplyError(f"vLLM stream event has {len(ids)} token ids and "
+                                    f"{len(values)} logprobs: {str(event)[:300]}")
+        finish = choice.get("finish_reason")
+        if finish is not None and finish not in _VLLM_FINISH:
+            raise BackendReplyError(f"vLLM finish_reason {finish!r}; known {list(_VLLM_FINISH)}")
+        return Delta(ids, [float(v) for v in values], _VLLM_FINISH.get(finish))
 
     def parse_generate(self, body: Any) -> Segment:
         choice = _field(body, "choices", 0)
@@ -375,13 +415,15 @@ class SGLangBackend:
 
     name = "sglang"
     supports_tensor_push = False
+    supports_stream = False
     needs_untied_head = False
     tested = ((0, 5, 23), (0, 6))
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # unused: /generate serves the one loaded model
 
-    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str) -> HttpCall:
+    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
+                      stream: bool = False) -> HttpCall:
         g = gconfig
         params: dict[str, Any] = {
             "max_new_tokens": g.max_new_tokens, "min_new_tokens": g.min_new_tokens,

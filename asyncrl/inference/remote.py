@@ -5,8 +5,9 @@ One request may take several HTTP calls ("segments"), and the caller sees one `M
   partial output. The client waits until `resume()`, then resubmits prompt + tokens so far with
   the remaining budget, so one response holds tokens of several policy versions.
 - Failover: a call that fails with a connection error, timeout or 5xx marks its server unhealthy
-  and is retried on another with backoff, from the tokens accumulated so far (a non-streaming call
-  that dies loses only its own segment). A lazy `/health` probe brings the server back.
+  and is retried on another with backoff, from the tokens accumulated so far. Backends that
+  stream (vLLM) keep the tokens a broken call delivered; a non-streaming call that dies loses its
+  own segment. A lazy health probe brings the server back.
 
 How a continuation's sampling parameters are derived is in `continuation.py`. Stop strings are
 matched by the server within one call, so one that straddles an interruption boundary is missed
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import random
 import threading
@@ -29,10 +31,9 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import httpx
-import pydantic
 
 from asyncrl.api import (
     ModelRequest,
@@ -41,48 +42,20 @@ from asyncrl.api import (
     WeightUpdateKind,
     WeightUpdateMeta,
 )
-from asyncrl.config import Config
-from asyncrl.inference.backends import Backend, HttpCall, Segment, ServerCheck, make_backend
+from asyncrl.inference.backends import (
+    Backend,
+    BackendReplyError,
+    HttpCall,
+    Segment,
+    ServerCheck,
+    make_backend,
+)
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
+from asyncrl.inference.remote_config import RemoteEngineConfig
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool, ServerState
 
 log = logging.getLogger(__name__)
-
-
-class RemoteEngineConfig(Config):
-    addresses: list[str] = pydantic.Field(min_length=1)  # base URLs, e.g. http://10.0.0.5:8000
-    backend: Literal["asyncrl", "vllm", "sglang"] = "asyncrl"
-    model: str | None = None  # vLLM: the served model name, when the server needs one
-    routing: Literal["round_robin", "least_loaded"] = "round_robin"
-    request_timeout_s: float = pydantic.Field(600.0, gt=0)  # one generation call
-    connect_timeout_s: float = pydantic.Field(5.0, gt=0)
-    control_timeout_s: float = pydantic.Field(300.0, gt=0)  # pause/resume/weight updates
-    max_retries: int = pydantic.Field(5, ge=0)  # retries after consecutive failed calls
-    backoff_base_s: float = pydantic.Field(0.2, ge=0)
-    backoff_max_s: float = pydantic.Field(5.0, ge=0)
-    health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
-    max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
-    api_key: str | None = None  # bearer token (asyncrl: control routes; vLLM/SGLang: --api-key)
-    # Servers outside the backend's tested version range are refused at startup unless this is set.
-    allow_untested_server: bool = False
-    max_connections: int = pydantic.Field(1024, ge=1)  # per event loop
-    sticky_capacity: int = pydantic.Field(100_000, ge=0)  # request ids remembered for stickiness
-
-    @pydantic.field_validator("addresses")
-    @classmethod
-    def _urls(cls, addresses: list[str]) -> list[str]:
-        for a in addresses:
-            if not a.startswith(("http://", "https://")):
-                raise ValueError(f"addresses entry {a!r} must start with http:// or https://")
-        return addresses
-
-    @pydantic.model_validator(mode="after")
-    def _backoff_order(self) -> RemoteEngineConfig:
-        if self.backoff_max_s < self.backoff_base_s:
-            raise ValueError(f"backoff_max_s={self.backoff_max_s} is out of range; allowed "
-                             f">= backoff_base_s={self.backoff_base_s}")
-        return self
 
 
 class RemoteEngineError(RuntimeError):
@@ -96,9 +69,11 @@ class RemoteRequestError(ValueError):
 class _ServerFailure(Exception):
     """A call failed because of the server (connection, timeout, 5xx, 429): retry elsewhere."""
 
-    def __init__(self, message: str, unhealthy: bool = True, timed_out: bool = False) -> None:
+    def __init__(self, message: str, unhealthy: bool = True, timed_out: bool = False,
+                 partial: Segment | None = None) -> None:
         super().__init__(message)
         self.unhealthy, self.timed_out = unhealthy, timed_out
+        self.partial = partial  # tokens a stream delivered before it broke: they are kept
 
 
 class RemoteInferenceEngine:
@@ -244,13 +219,22 @@ class RemoteInferenceEngine:
         # Every call gets its own server-side id: a timed-out call may still be running there.
         call_rid = rid if progress.calls == 0 else f"{rid}.{progress.calls}"
         progress.calls += 1
+        stream = self.backend.supports_stream
         call = self.backend.generate_call(list(progress.req.input_ids) + progress.tokens,
-                                          progress.next_config(), call_rid)
+                                          progress.next_config(), call_rid, stream=stream)
         epoch, version, submitted = self._gate.epoch, server.version, time.perf_counter()
         self._count("calls")
         try:
-            seg = self.backend.parse_generate(await self._request(server, call, self._gen_timeout()))
+            if stream:
+                seg = await self._stream(server, call, epoch)
+            else:
+                seg = self.backend.parse_generate(
+                    await self._request(server, call, self._gen_timeout()))
         except _ServerFailure as err:
+            if err.partial is not None and err.partial.tokens:
+                self._count("tokens_kept_from_failed_calls")
+                err.partial.versions = [version] * len(err.partial.tokens)
+                progress.add(err.partial, submitted, time.perf_counter())
             if err.unhealthy:
                 self.pool.mark_failed(server, str(err))
                 log.warning("server %s failed request %s: %s", server.address, rid, err)
@@ -274,6 +258,44 @@ class RemoteInferenceEngine:
             self.pool.set_version(server, seg.versions[-1])  # the server reports what it holds
         progress.add(seg, submitted, time.perf_counter())
         return len(seg.tokens)
+
+    async def _stream(self, server: ServerState, call: HttpCall, epoch: int) -> Segment:
+        """A streaming generation call: tokens accumulate as they arrive, so a server that dies
+        mid-call costs only the token it was computing (the partial segment rides on the
+        _ServerFailure and is kept by the caller)."""
+        got = Segment([], [], None, StopReason.ABORT)
+        finished = False
+        try:
+            async with self._client().stream(
+                    call.method, server.address + call.path, json=call.json, params=call.params,
+                    headers=self._headers(), timeout=self._gen_timeout()) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _reply_body(server, call, resp)  # raises the matching error
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    delta = self.backend.parse_stream_event(json.loads(data))
+                    got.tokens += delta.tokens
+                    got.logprobs += delta.logprobs
+                    if delta.stop_reason is not None:
+                        got.stop_reason, finished = delta.stop_reason, True
+        except httpx.TimeoutException as err:
+            raise _ServerFailure(f"{type(err).__name__}: {err}", timed_out=True,
+                                 partial=got) from err
+        except httpx.TransportError as err:
+            raise _ServerFailure(f"{type(err).__name__}: {err}", partial=got) from err
+        except BackendReplyError as err:
+            if self._gate.epoch != epoch:  # an error event while a pause aborted the request
+                return got
+            raise _ServerFailure(f"{server.address}{call.path}: {err}", partial=got) from err
+        if not finished:
+            raise _ServerFailure(f"{server.address}{call.path}: the stream ended without a "
+                                 "finish_reason", partial=got)
+        return got
 
     async def _acquire(self, rid: str) -> ServerState:
         server = self.pool.acquire(rid)

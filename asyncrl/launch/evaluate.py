@@ -359,7 +359,7 @@ def _eval_engine(model_dir: Path, inference: Any, max_num_seqs: int, max_seq_len
     from asyncrl.launch.rollout_engines import open_rollout_engines
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
-        where = (f"{inference.num_servers} local {inference.backend} server(s)"
+        where = (f"{inference.num_servers} local {inference.server_backend} server(s)"
                  if inference.mode == "local" else f"{inference.remote.addresses}")
         console.print(f"eval: generating with {where}", soft_wrap=True)
         with open_rollout_engines(inference, model_dir, Path(tmp) / "logs") as engines:

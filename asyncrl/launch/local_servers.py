@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +35,12 @@ class ServerStartError(RuntimeError):
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """`sig` to the session the server leads (start_new_session: its pgid is its pid)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 class LocalServers:
@@ -106,25 +111,29 @@ class LocalServers:
                                f"log {self.log_dir / f'server_{i}.log'}:\n{tail}")
 
     def kill(self, index: int) -> None:
-        """SIGKILL one server (tests of failover)."""
-        self.procs[index].kill()
+        """SIGKILL one server with every process it started, as a lost machine would (tests of
+        failover)."""
+        _signal_group(self.procs[index], signal.SIGKILL)
 
     def alive(self) -> list[bool]:
         return [p.poll() is None for p in self.procs]
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every server, SIGKILL what is left after `grace_s`."""
+        """SIGTERM every server's process group, SIGKILL what is left after `grace_s`.
+
+        Groups, not just the processes started here: a vLLM server runs its engine core and
+        workers as child processes (~2 GB each for the tiny model on CPU), which outlive a
+        killed parent."""
         for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.terminate()
+            _signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
+            _signal_group(p, signal.SIGKILL)  # children left behind, or a server that hangs
+            p.wait()
             if p.stdout is not None:
                 p.stdout.close()
         self.procs.clear()

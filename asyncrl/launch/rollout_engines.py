@@ -122,7 +122,7 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
             servers = stack.enter_context(LocalServers(make, cfg.num_servers, log_dir,
                                                        cfg.startup_timeout_s))
             remote_cfg = RemoteEngineConfig(addresses=servers.urls, api_key=servers.api_key,
-                                            backend=cfg.backend)
+                                            backend=cfg.server_backend)
         else:
             remote_cfg = cfg.remote
         engine = RemoteInferenceEngine(remote_cfg)
@@ -134,7 +134,7 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
 def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str) -> Any:
     from asyncrl.launch.server_commands import server_command
 
-    return server_command(cfg.backend, model_dir, python=cfg.server_python,
+    return server_command(cfg.server_backend, model_dir, python=cfg.server_python,
                           max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
                           num_threads=cfg.num_threads, api_key=api_key,
                           extra_args=cfg.server_args)

@@ -69,7 +69,8 @@ class InferenceLaunchConfig(Config):
     """
 
     mode: Literal["inprocess", "local", "remote"] = "inprocess"
-    backend: Literal["asyncrl", "vllm", "sglang"] = "asyncrl"  # local; remote: remote.backend
+    # local: which servers to start (None: asyncrl); remote: taken from remote.backend
+    backend: Literal["asyncrl", "vllm", "sglang"] | None = None
     num_servers: int = pydantic.Field(1, ge=1)  # local
     server_python: str | None = None  # local vllm/sglang: its python (default: this one)
     server_args: list[str] = []  # local: extra command-line arguments for every server
@@ -90,12 +91,11 @@ class InferenceLaunchConfig(Config):
         if self.mode == "remote" and self.remote is None:
             raise ValueError("inference.mode='remote' needs inference.remote.addresses "
                              "(e.g. [http://10.0.0.5:8000])")
-        if self.mode == "remote" and "backend" in self.model_fields_set \
-                and self.backend != self.remote.backend:
+        if self.mode == "remote" and self.backend not in (None, self.remote.backend):
             raise ValueError(f"inference.backend={self.backend!r} differs from inference.remote."
                              f"backend={self.remote.backend!r}; remote servers take "
                              "inference.remote.backend (set only that one)")
-        if self.mode == "inprocess" and self.backend != "asyncrl":
+        if self.mode == "inprocess" and self.backend not in (None, "asyncrl"):
             raise ValueError(f"inference.backend={self.backend!r} needs inference.mode='local' "
                              "(the job starts the servers) or 'remote'; 'inprocess' runs the "
                              "built-in engine")
@@ -106,7 +106,7 @@ class InferenceLaunchConfig(Config):
 
     @property
     def server_backend(self) -> str:
-        return self.remote.backend if self.mode == "remote" else self.backend
+        return self.remote.backend if self.mode == "remote" else self.backend or "asyncrl"
 
     @property
     def sync_kind(self) -> str:

@@ -199,14 +199,25 @@ def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs,
 
 
 def test_killed_server_mid_generation_loses_no_request(servers):
-    """SIGKILL one of two servers while both generate: its requests finish on the other."""
+    """SIGKILL one of two servers while both generate: its requests finish on the other, from
+    the tokens its streams had already delivered."""
     engine = engine_for(servers.urls, max_retries=8, backoff_base_s=0.05, backoff_max_s=0.5)
-    g = GenerationConfig(max_new_tokens=600, min_new_tokens=600, temperature=1.0)
+    g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
+    received = []  # streamed tokens this client has read (vLLM's metrics lag by seconds)
+    parse = engine.backend.parse_stream_event
+
+    def counting(event):
+        delta = parse(event)
+        received.append(len(delta.tokens))
+        return delta
+
+    engine.backend.parse_stream_event = counting
 
     async def run():
         tasks = [asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid=f"k-{i}")))
-                 for i in range(8)]
-        await asyncio.sleep(0.3)
+                 for i in range(16)]  # 8 per server: seconds of work for each
+        while sum(received) < 800:  # both servers are streaming (round robin)
+            await asyncio.sleep(0.01)
         servers.kill(1)
         out = await asyncio.gather(*tasks)
         stats = engine.stats()
@@ -214,8 +225,11 @@ def test_killed_server_mid_generation_loses_no_request(servers):
         return out, stats
 
     responses, stats = asyncio.run(run())
-    assert all(len(r.output_tokens) == 600 for r in responses)
+    assert all(len(r.output_tokens) == 1000 for r in responses), [len(r.output_tokens)
+                                                                  for r in responses]
     assert stats["failed_calls"] >= 1  # some requests really were on the killed server
+    # their streams had delivered tokens; those were kept and continued on the other server
+    assert stats["tokens_kept_from_failed_calls"] >= 1
     assert stats["servers"][1]["health"] == "unhealthy"
 
 

