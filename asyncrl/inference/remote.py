@@ -230,6 +230,7 @@ class RemoteInferenceEngine:
             else:
                 seg = self.backend.parse_generate(
                     await self._request(server, call, self._gen_timeout()))
+                self.pool.add_tokens(server, len(seg.tokens))
         except _ServerFailure as err:
             if err.partial is not None and err.partial.tokens:
                 self._count("tokens_kept_from_failed_calls")
@@ -281,6 +282,7 @@ class RemoteInferenceEngine:
                     delta = self.backend.parse_stream_event(json.loads(data))
                     got.tokens += delta.tokens
                     got.logprobs += delta.logprobs
+                    self.pool.add_tokens(server, len(delta.tokens))
                     if delta.stop_reason is not None:
                         got.stop_reason, finished = delta.stop_reason, True
         except httpx.TimeoutException as err:

@@ -39,6 +39,7 @@ class ServerState:
     next_probe_at: float = 0.0
     requests: int = 0  # generation calls routed here
     failures: int = 0  # calls that failed with a connection error, timeout or 5xx
+    tokens: int = 0  # generated tokens received from it (streamed ones as they arrive)
 
 
 class ServerPool:
@@ -140,6 +141,10 @@ class ServerPool:
             if version is not None:
                 server.version = version
 
+    def add_tokens(self, server: ServerState, n: int) -> None:
+        with self._lock:
+            server.tokens += n
+
     def set_version(self, server: ServerState, version: int) -> None:
         with self._lock:
             server.version = version
@@ -161,6 +166,6 @@ class ServerPool:
             return [
                 {"address": s.address, "health": s.health.value, "in_flight": s.in_flight,
                  "version": s.version, "requests": s.requests, "failures": s.failures,
-                 "last_error": s.last_error}
+                 "tokens": s.tokens, "last_error": s.last_error}
                 for s in self.servers
             ]
