@@ -37,8 +37,10 @@ from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                       intermediate_size=128, seed=3)
+# The embedded default's shape (6.3M parameters), not the unit tests' 50k-parameter one: that one
+# generates faster than a client parses its stream, so a "mid-generation" kill would land after
+# the whole reply was already in the socket buffers.
+TINY = TinyModelConfig(seed=3)
 KEY = "vllm-test-key"
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
