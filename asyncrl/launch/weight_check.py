@@ -42,7 +42,13 @@ class LogprobCheck:
         for address, resp in results:
             if not resp.output_tokens:  # EOS first: nothing to compare, and nothing wrong
                 continue
-            ours = self.score(list(resp.input_tokens), list(resp.output_tokens))
+            try:
+                ours = self.score(list(resp.input_tokens), list(resp.output_tokens))
+            except (IndexError, RuntimeError) as err:  # e.g. token ids past the trainer's vocab
+                raise WeightCheckError(
+                    f"{address} at weight version {version}: the trainer cannot score the "
+                    f"tokens it generated ({type(err).__name__}: {err}); it serves another "
+                    "model") from err
             diffs = [abs(a - b) for a, b in zip(ours, resp.output_logprobs, strict=True)]
             mean, top = sum(diffs) / len(diffs), max(diffs)
             if mean > self.tolerance:
