@@ -135,6 +135,22 @@ def test_config_validation_names_the_field():
         make_backend("tgi")
 
 
+def test_server_commands_carry_what_rl_needs():
+    from asyncrl.launch.server_commands import server_command
+
+    v = server_command("vllm", "/m", python="/venv/bin/python", max_num_seqs=8, api_key="k")
+    assert v.argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = " ".join(v.argv)
+    assert "--logprobs-mode processed_logprobs" in flags and "--generation-config vllm" in flags
+    assert f"--port {v.port}" in flags and v.port > 0 and "--host 127.0.0.1" in flags
+    assert v.env["VLLM_SERVER_DEV_MODE"] == "1" and v.env["VLLM_API_KEY"] == "k"
+    assert "k" not in v.argv  # the key stays out of `ps`
+    sg = server_command("sglang", "/m", api_key="k")
+    assert "sglang.launch_server" in sg.argv and "--model-path" in sg.argv and sg.port > 0
+    ours = server_command("asyncrl", "/m", api_key="k")
+    assert ours.port == 0 and ours.env == {"ASYNCRL_SERVER_API_KEY": "k"}
+
+
 def test_inference_launch_config_refuses_what_cannot_run():
     from asyncrl.launch.train_config import InferenceLaunchConfig as C
 
