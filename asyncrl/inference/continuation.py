@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from asyncrl.api import GenerationConfig, ModelRequest, ModelResponse, StopReason
-from asyncrl.inference.backends import Segment
+from asyncrl.inference.backend_protocol import Segment
 
 
 @dataclass

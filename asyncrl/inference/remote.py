@@ -53,27 +53,16 @@ from asyncrl.inference.backends import (
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
 from asyncrl.inference.remote_config import RemoteEngineConfig
+from asyncrl.inference.remote_errors import (
+    RemoteEngineError,
+    RemoteRequestError,
+    ServerFailure,
+    json_or_text,
+    reply_body,
+)
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool, ServerState
 
 log = logging.getLogger(__name__)
-
-
-class RemoteEngineError(RuntimeError):
-    """A request could not be served: every retry failed; the message names each server's state."""
-
-
-class RemoteRequestError(ValueError):
-    """A server rejected the request itself (4xx): retrying elsewhere would not help."""
-
-
-class _ServerFailure(Exception):
-    """A call failed because of the server (connection, timeout, 5xx, 429): retry elsewhere."""
-
-    def __init__(self, message: str, unhealthy: bool = True, timed_out: bool = False,
-                 partial: Segment | None = None) -> None:
-        super().__init__(message)
-        self.unhealthy, self.timed_out = unhealthy, timed_out
-        self.partial = partial  # tokens a stream delivered before it broke: they are kept
 
 
 class RemoteInferenceEngine:
@@ -104,7 +93,7 @@ class RemoteInferenceEngine:
             await self._gate.wait()
             try:
                 added = await self._one_segment(progress)
-            except _ServerFailure as err:
+            except ServerFailure as err:
                 failures += 1
                 self._count("failed_calls")
                 if failures > self.cfg.max_retries:
@@ -162,7 +151,7 @@ class RemoteInferenceEngine:
             if not isinstance(result, BaseException):
                 self.pool.set_version(server, meta.version)
                 updated += 1
-            elif isinstance(result, (_ServerFailure, httpx.TransportError)):
+            elif isinstance(result, (ServerFailure, httpx.TransportError)):
                 self.pool.mark_failed(server, f"missed weight update to version {meta.version}: "
                                               f"{result}")
             else:
@@ -231,7 +220,7 @@ class RemoteInferenceEngine:
                 seg = self.backend.parse_generate(
                     await self._request(server, call, self._gen_timeout()))
                 self.pool.add_tokens(server, len(seg.tokens))
-        except _ServerFailure as err:
+        except ServerFailure as err:
             if err.partial is not None and err.partial.tokens:
                 self._count("tokens_kept_from_failed_calls")
                 err.partial.versions = [version] * len(err.partial.tokens)
@@ -263,7 +252,7 @@ class RemoteInferenceEngine:
     async def _stream(self, server: ServerState, call: HttpCall, epoch: int) -> Segment:
         """A streaming generation call: tokens accumulate as they arrive, so a server that dies
         mid-call costs only the token it was computing (the partial segment rides on the
-        _ServerFailure and is kept by the caller)."""
+        ServerFailure and is kept by the caller)."""
         got = Segment([], [], None, StopReason.ABORT)
         finished = False
         try:
@@ -272,7 +261,7 @@ class RemoteInferenceEngine:
                     headers=self._headers(), timeout=self._gen_timeout()) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
-                    _reply_body(server, call, resp)  # raises the matching error
+                    reply_body(server, call, resp)  # raises the matching error
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -286,16 +275,16 @@ class RemoteInferenceEngine:
                     if delta.stop_reason is not None:
                         got.stop_reason, finished = delta.stop_reason, True
         except httpx.TimeoutException as err:
-            raise _ServerFailure(f"{type(err).__name__}: {err}", timed_out=True,
+            raise ServerFailure(f"{type(err).__name__}: {err}", timed_out=True,
                                  partial=got) from err
         except httpx.TransportError as err:
-            raise _ServerFailure(f"{type(err).__name__}: {err}", partial=got) from err
+            raise ServerFailure(f"{type(err).__name__}: {err}", partial=got) from err
         except BackendReplyError as err:
             if self._gate.epoch != epoch:  # an error event while a pause aborted the request
                 return got
-            raise _ServerFailure(f"{server.address}{call.path}: {err}", partial=got) from err
+            raise ServerFailure(f"{server.address}{call.path}: {err}", partial=got) from err
         if not finished:
-            raise _ServerFailure(f"{server.address}{call.path}: the stream ended without a "
+            raise ServerFailure(f"{server.address}{call.path}: the stream ended without a "
                                  "finish_reason", partial=got)
         return got
 
@@ -307,20 +296,23 @@ class RemoteInferenceEngine:
         await asyncio.gather(*(self._probe(s) for s in self.pool.claim_probes(force=True)))
         server = self.pool.acquire(rid)
         if server is None:
-            raise _ServerFailure("no healthy server", unhealthy=False)
+            raise ServerFailure("no healthy server", unhealthy=False)
         return server
 
-    async def _request(self, server: ServerState, call: HttpCall,
-                       timeout: httpx.Timeout | float) -> Any:
+    async def _send(self, server: ServerState, call: HttpCall,
+                    timeout: httpx.Timeout | float) -> httpx.Response:
         try:
-            resp = await self._client().request(
+            return await self._client().request(
                 call.method, server.address + call.path, json=call.json, params=call.params,
                 headers=self._headers(), timeout=timeout)
         except httpx.TimeoutException as err:
-            raise _ServerFailure(f"{type(err).__name__}: {err}", timed_out=True) from err
+            raise ServerFailure(f"{type(err).__name__}: {err}", timed_out=True) from err
         except httpx.TransportError as err:
-            raise _ServerFailure(f"{type(err).__name__}: {err}") from err
-        return _reply_body(server, call, resp)
+            raise ServerFailure(f"{type(err).__name__}: {err}") from err
+
+    async def _request(self, server: ServerState, call: HttpCall,
+                       timeout: httpx.Timeout | float) -> Any:
+        return reply_body(server, call, await self._send(server, call, timeout))
 
     def _gen_timeout(self) -> httpx.Timeout:
         # No pool timeout: many rollouts queueing for a connection is normal, not a failure.
@@ -339,7 +331,7 @@ class RemoteInferenceEngine:
         try:
             body = await self._request(server, self.backend.health_call(),
                                        self.cfg.connect_timeout_s)
-        except (_ServerFailure, RemoteRequestError) as err:
+        except (ServerFailure, RemoteRequestError) as err:
             self.pool.probe_result(server, False, None, f"health check: {err}")
             return
         self.pool.probe_result(server, True, self.backend.parse_health(body))
@@ -352,7 +344,7 @@ class RemoteInferenceEngine:
         async def abort() -> None:
             try:
                 await self._request(server, call, self.cfg.connect_timeout_s)
-            except (_ServerFailure, RemoteRequestError) as err:
+            except (ServerFailure, RemoteRequestError) as err:
                 log.info("best-effort abort of %s on %s failed: %s", call_rid, server.address, err)
 
         task = asyncio.get_running_loop().create_task(abort())
@@ -439,18 +431,11 @@ class RemoteInferenceEngine:
 
         async def run(server: ServerState, check: ServerCheck) -> None:
             try:
-                resp = await self._client().request(
-                    check.call.method, server.address + check.call.path, params=check.call.params,
-                    json=check.call.json, headers=self._headers(),
-                    timeout=self.cfg.control_timeout_s)
-            except httpx.TransportError as err:
-                problems.append(f"{server.address}: unreachable ({type(err).__name__}: {err})")
+                resp = await self._send(server, check.call, self.cfg.control_timeout_s)
+            except ServerFailure as err:
+                problems.append(f"{server.address}: unreachable ({err})")
                 return
-            try:
-                body = resp.json()
-            except ValueError:
-                body = resp.text
-            verdict = check.verdict(resp.status_code, body)
+            verdict = check.verdict(resp.status_code, json_or_text(resp))
             if verdict is None:
                 return
             if check.waivable and self.cfg.allow_untested_server:
@@ -472,10 +457,9 @@ class RemoteInferenceEngine:
                                               f"{req.rid}@{server.index}")
             seg = self.backend.parse_generate(
                 await self._request(server, call, self._gen_timeout()))
+            seg.versions = seg.versions or [server.version] * len(seg.tokens)
             progress = Progress(req, t0=time.perf_counter())
-            progress.add(Segment(seg.tokens, seg.logprobs, seg.versions or
-                                 [server.version] * len(seg.tokens), seg.stop_reason),
-                         progress.t0, time.perf_counter())
+            progress.add(seg, progress.t0, time.perf_counter())
             return server.address, progress.response()
 
         healthy = [s for s in self.pool.servers if s.health is ServerHealth.HEALTHY]
@@ -513,19 +497,3 @@ class RemoteInferenceEngine:
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
-
-
-def _reply_body(server: ServerState, call: HttpCall, resp: httpx.Response) -> Any:
-    where = f"{server.address}{call.path}"
-    if resp.status_code >= 500 or resp.status_code == 429:
-        raise _ServerFailure(f"{where} answered HTTP {resp.status_code}: {resp.text[:300]}",
-                             unhealthy=resp.status_code != 429)
-    if resp.status_code >= 400:
-        raise RemoteRequestError(f"{where} rejected the request: HTTP {resp.status_code}: "
-                                 f"{resp.text[:500]}")
-    if not resp.content:
-        return None
-    try:
-        return resp.json()
-    except ValueError:
-        return resp.text

@@ -10,7 +10,7 @@ each server reports the new version, and resumes. With a `LogprobCheck` attached
 logprobs are then compared with the trainer's.
 
 Servers are checked before the first rollout (`check_servers`: version range, routes, logprobs
-mode). A vLLM server is given an untied copy of a tied model (see backends.VLLMBackend).
+mode). A vLLM server is given an untied copy of a tied model (see vllm_backend.VLLMBackend).
 """
 
 from __future__ import annotations

