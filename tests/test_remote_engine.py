@@ -36,6 +36,7 @@ from asyncrl.inference.remote import (
     RemoteInferenceEngine,
     RemoteRequestError,
 )
+from asyncrl.inference.remote_errors import ServerCheckError
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool
 from asyncrl.models.loading import load_causal_lm
 
@@ -387,7 +388,7 @@ def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_di
     assert metrics["weight_check/tokens"] > 0
     assert metrics["weight_check/mean_abs_diff"] < 1e-4
     wrong = RemoteInferenceEngine(RemoteEngineConfig(addresses=[servers[0][0]], backend="vllm"))
-    with pytest.raises(RemoteEngineError, match="vllm server check failed.*vLLM"):
+    with pytest.raises(ServerCheckError, match="vllm server check failed.*vLLM"):
         asyncio.run(wrong.check_servers())  # an asyncrl server is not a vLLM one
     engine.close()
     wrong.close()

@@ -56,6 +56,7 @@ from asyncrl.inference.remote_config import RemoteEngineConfig
 from asyncrl.inference.remote_errors import (
     RemoteEngineError,
     RemoteRequestError,
+    ServerCheckError,
     ServerFailure,
     json_or_text,
     reply_body,
@@ -446,7 +447,7 @@ class RemoteInferenceEngine:
         await asyncio.gather(*(run(s, c) for s in self.pool.servers
                                for c in self.backend.server_checks()))
         if problems:
-            raise RemoteEngineError(f"{self.backend.name} server check failed: "
+            raise ServerCheckError(f"{self.backend.name} server check failed: "
                                     + "; ".join(sorted(set(problems))))
 
     async def generate_on_each(self, req: ModelRequest) -> list[tuple[str, ModelResponse]]:

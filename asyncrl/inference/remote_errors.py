@@ -7,12 +7,18 @@ from typing import Any
 
 import httpx
 
+from asyncrl.errors import UserError
 from asyncrl.inference.backend_protocol import HttpCall, Segment
 from asyncrl.inference.routing import ServerState
 
 
 class RemoteEngineError(RuntimeError):
     """A request could not be served: every retry failed; the message names each server's state."""
+
+
+class ServerCheckError(UserError):
+    """A server failed a startup check (unreachable, wrong version, routes or logprobs mode); the
+    message names each server and the fix. The CLI prints it as one line."""
 
 
 class RemoteRequestError(ValueError):

@@ -14,10 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.api import GenerationConfig, ModelRequest
+from asyncrl.errors import UserError
 
 
-class WeightCheckError(RuntimeError):
-    """A server's logprobs do not match the trainer's: it does not hold the pushed weights."""
+class WeightCheckError(UserError):
+    """A server's logprobs do not match the trainer's: it does not hold the pushed weights (a
+    server set-up the user fixes; the CLI prints the message as one line)."""
 
 
 Scorer = Callable[[list[int], list[int]], list[float]]  # (prompt ids, output ids) -> logprobs

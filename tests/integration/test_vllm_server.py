@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
 from asyncrl.inference.backends import VLLMBackend
-from asyncrl.inference.remote import RemoteEngineConfig, RemoteEngineError, RemoteInferenceEngine
+from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+from asyncrl.inference.remote_errors import ServerCheckError
 from asyncrl.launch.local_servers import LocalServers
 from asyncrl.launch.server_commands import server_command
 from asyncrl.models.loading import load_causal_lm
@@ -192,7 +193,7 @@ def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs,
     del cmd.argv[i:i + 2]
     with LocalServers(lambda key: cmd, 1, tmp_path, 300) as plain:
         engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=plain.urls, backend="vllm"))
-        with pytest.raises(RemoteEngineError) as err:
+        with pytest.raises(ServerCheckError) as err:
             asyncio.run(engine.check_servers())
     assert "VLLM_SERVER_DEV_MODE=1" in str(err.value)
     # with dev mode on, the logprobs mode is what the check reads; verdict on a real reply shape
