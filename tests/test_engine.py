@@ -3,6 +3,7 @@
 import asyncio
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -84,6 +85,14 @@ def assert_logprobs(model, prompt, out, temperature=1.0):
     ref = full_logprobs(model, prompt, out.output_tokens, temperature)
     got = torch.tensor(out.output_logprobs)
     assert torch.allclose(got, ref, atol=1e-4), (got, ref)
+
+
+async def wait_for_stats(engine, ready, timeout=30.0):
+    """Poll `engine.stats()` until `ready(stats)` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ready(stats := engine.stats()):
+        assert time.monotonic() < deadline, f"engine never reached the state; last stats {stats}"
+        await asyncio.sleep(0.01)
 
 
 def assert_prefix(tokens, ref):
@@ -347,22 +356,22 @@ def test_async_stream_abort_cancel_and_stats(model_dir, prompts, hf_greedy):
         # One delta per step; the finishing step's token comes only with the final response.
         assert streamed == final.output_tokens[:-1] and len(items) == 10
         # A cancelled caller frees its slot; abort(rid) answers the waiting caller with ABORT.
-        slow = asyncio.ensure_future(engine.agenerate(ModelRequest(prompts[0], greedy(90))))
+        # Generations are long (900 tokens) so neither can finish before the cut, and the test
+        # waits for states, never a fixed time (CI machines differ in speed).
+        slow = asyncio.ensure_future(engine.agenerate(ModelRequest(prompts[0], greedy(900))))
         other = asyncio.ensure_future(
-            engine.agenerate(ModelRequest(prompts[1], greedy(90), rid="x"))
+            engine.agenerate(ModelRequest(prompts[1], greedy(900), rid="x"))
         )
-        await asyncio.sleep(0.05)
-        assert engine.stats()["running"] == 2
+        await wait_for_stats(engine, lambda s: s["running"] == 2)
         slow.cancel()
         assert await asyncio.to_thread(engine.abort, "x") == 1
         out = await other
-        assert out.stop_reason == StopReason.ABORT
+        assert out.stop_reason == StopReason.ABORT and len(out.output_tokens) < 900
         assert_prefix(out.output_tokens, hf_greedy[1])
-        await asyncio.sleep(0.05)
-        stats = engine.stats()
-        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cache_usage"] == 0.0
+        await wait_for_stats(engine, lambda s: s["running"] == 0 and s["waiting"] == 0)
+        assert engine.stats()["kv_cache_usage"] == 0.0
 
-    with AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128)) as engine:
+    with AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=1024)) as engine:
         asyncio.run(main(engine))
 
 
