@@ -20,6 +20,7 @@ from asyncrl.train.packing import (
     build_micro_batches,
     first_fit_decreasing,
     pack_samples,
+    padded_layout,
     plan_micro_batches,
     unpack,
 )
@@ -110,8 +111,10 @@ def engine(model_dir, **kw) -> HFTrainEngine:
     return HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(optimizer=opt, **kw))
 
 
-def test_packed_forward_equals_unpadded_and_padded(model_dir):
-    eng = engine(model_dir, max_tokens_per_mb=64)
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_packed_forward_equals_unpadded_and_padded(model_dir, layout):
+    eng = engine(model_dir, max_tokens_per_mb=64, attention_layout=layout)
+    assert eng.padded == (layout == "padded")
     samples = make_samples([7, 12, 3, 9, 1])
     packed = eng.forward(samples)
     assert isinstance(eng, TrainEngine)
@@ -124,8 +127,9 @@ def test_packed_forward_equals_unpadded_and_padded(model_dir):
             torch.testing.assert_close(pad, want, atol=1e-5, rtol=0)
 
 
-def test_packed_grads_equal_per_sequence_grads(model_dir):
-    eng = engine(model_dir, max_tokens_per_mb=64)
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_packed_grads_equal_per_sequence_grads(model_dir, layout):
+    eng = engine(model_dir, max_tokens_per_mb=64, attention_layout=layout)
     samples = make_samples([6, 10, 4], seed=1)
     mb = build_micro_batches(samples, 64)[0]
     assert len(mb.sample_index) == 3
@@ -158,10 +162,11 @@ def test_temperature_enters_logprobs(model_dir):
 EXACT_OPT = OptimizerConfig(lr=1e-3, eps=1e-6, grad_clip=1.0)
 
 
-def test_micro_batch_accumulation_equals_one_batch(model_dir):
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_micro_batch_accumulation_equals_one_batch(model_dir, layout):
     samples = make_samples([9, 4, 7, 3, 8, 5], seed=2)
     one = engine(model_dir, max_tokens_per_mb=1000, optimizer=EXACT_OPT)
-    many = engine(model_dir, max_tokens_per_mb=14, optimizer=EXACT_OPT)
+    many = engine(model_dir, max_tokens_per_mb=14, optimizer=EXACT_OPT, attention_layout=layout)
     s1 = one.train_batch(samples, sft_token_loss)
     s3 = many.train_batch(samples, sft_token_loss)
     assert s1["train/micro_batches"] == 1 and s3["train/micro_batches"] == 3
@@ -210,6 +215,22 @@ def test_forward_only_reference_engine(model_dir):
     assert [t.shape[0] for t in lp] == [5, 3]
     with pytest.raises(ValueError, match="forward-only"):
         ref.train_batch(make_samples([5]), sft_token_loss)
+
+
+def test_padded_layout_places_each_token(model_dir):
+    mb = build_micro_batches(make_samples([3, 5, 1]), 64)[0]
+    ids, mask, index = padded_layout(mb)
+    assert ids.shape == mask.shape == (3, 5) and int(mask.sum()) == mb.num_tokens == 9
+    assert torch.equal(ids.flatten()[index], mb.input_ids[0])
+    assert mask.sum(1).tolist() == [len(make_samples([3, 5, 1])[i].input_ids)
+                                    for i in mb.sample_index]
+
+
+def test_auto_layout_packs_only_for_flash_attention(model_dir):
+    assert engine(model_dir).padded  # sdpa on CPU: a packed row would be a dense N x N mask
+    model = load_causal_lm(model_dir)
+    model.config._attn_implementation = "flash_attention_2"
+    assert not HFTrainEngine(model, TrainEngineConfig()).padded
 
 
 def test_config_rejects_bad_budget():

@@ -86,12 +86,12 @@ class CriticEngine(HFTrainEngine):
         """The engine's per-token output hook: here input-aligned values [N] (float32)."""
         return self.packed_values(mb)
 
+    def _head(self, out: torch.Tensor) -> torch.Tensor:
+        return out  # ValueModel already returns the values [B, T]
+
     def packed_values(self, mb: PackedMicroBatch) -> torch.Tensor:
         mb = mb.to(self.device)
-        with self._autocast():
-            # Restarting position_ids, no mask: block-diagonal attention, as for the policy.
-            values = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids)
-        return next_token_logprobs_aligned(values[0].float(), mb)
+        return next_token_logprobs_aligned(self.model_outputs(mb).float(), mb)
 
 
 def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:

@@ -31,6 +31,7 @@ from asyncrl.train.packing import (
     first_fit_decreasing,
     next_token_logprobs_aligned,
     pack_samples,
+    padded_layout,
     unpack,
 )
 
@@ -42,10 +43,13 @@ TokenData = Mapping[str, Sequence[Sequence[float]]]
 
 
 class TrainEngineConfig(Config):
-    # On CPU transformers attends a packed row through a dense N x N block-diagonal mask, so
-    # cost grows with the square of the row: 1024 measured 1.46x plain HF, 4096 only 0.53x
-    # (benchmarks/bench_train.py). On GPUs with varlen flash-attention, raise it.
     max_tokens_per_mb: int = pydantic.Field(1024, ge=1)
+    # How a micro-batch's samples reach the model. "packed": one row with restarting
+    # position_ids (no padding; flash-attention derives varlen offsets from them, but SDPA and
+    # eager attend it through a dense N x N block-diagonal mask). "padded": k right-padded rows
+    # with an attention mask (k * L^2 attention, some padding). "auto": packed when the model
+    # runs a flash-attention kernel, else padded.
+    attention_layout: Literal["auto", "packed", "padded"] = "auto"
     optimizer: OptimizerConfig = OptimizerConfig()
     total_steps: int = pydantic.Field(1000, ge=1, description="horizon of the LR schedule")
     # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype.
@@ -79,6 +83,9 @@ class HFTrainEngine:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.padded = self.cfg.attention_layout == "padded" or (
+            self.cfg.attention_layout == "auto"
+            and "flash" not in str(getattr(model.config, "_attn_implementation", "")))
         self.model = self._prepare_model(model)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -169,14 +176,26 @@ class HFTrainEngine:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    def packed_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
-        """Input-aligned logprobs [N] of one packed micro-batch (grad follows the caller's mode)."""
+    def model_outputs(self, mb: PackedMicroBatch) -> torch.Tensor:
+        """The model's per-token output [N, ...] for a micro-batch, in `attention_layout`."""
         mb = mb.to(self.device)
         with self._autocast():
+            if self.padded:
+                ids, mask, index = padded_layout(mb)
+                out = self._head(self.model(input_ids=ids, attention_mask=mask, use_cache=False))
+                return out.flatten(0, 1)[index]
             # No attention_mask and no cache: transformers then reads sample boundaries off the
             # restarting position_ids and builds a block-diagonal causal mask.
             out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-        logits = out.logits[0]
+            return self._head(out)[0]
+
+    def _head(self, out: Any) -> torch.Tensor:
+        return out.logits
+
+    def packed_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
+        """Input-aligned logprobs [N] of one packed micro-batch (grad follows the caller's mode)."""
+        mb = mb.to(self.device)
+        logits = self.model_outputs(mb)
         labels = torch.roll(mb.input_ids[0], -1)
         nxt = gather_logprobs(logits, labels, self.cfg.temperature)
         return next_token_logprobs_aligned(nxt, mb)
