@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.api import ModelRequest, ModelResponse, StopReason
 from asyncrl.config import Config
+from asyncrl.inference import kernels
 from asyncrl.inference.llama import LlamaArgs, unsupported_reason
 from asyncrl.inference.model_runner import (
     DTYPES,
@@ -47,7 +48,10 @@ class EngineConfig(Config):
     cpu_kernels: bool = True
     seed: int = 0  # sampling noise of requests without their own seed
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
-    num_threads: int | None = pydantic.Field(None, ge=1)  # torch intra-op threads
+    # Threads of the C++ kernels, set for the engine thread only (a trainer in the same process
+    # keeps its own count); torch ops use the process-wide count, which `asyncrl serve` sets to
+    # this. None: torch's count.
+    num_threads: int | None = pydantic.Field(None, ge=1)
 
 
 class LLMEngine:
@@ -56,8 +60,6 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.detokenize = detokenize  # needed only by requests with stop strings
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         hf_config = read_hf_config(config.model_path)
         dtype = DTYPES[config.dtype]
         max_pos = hf_config.get("max_position_embeddings", 1 << 30)
@@ -157,6 +159,7 @@ class LLMEngine:
         batch = None if self.paused else self.scheduler.schedule()
         if batch is None:
             return []
+        kernels.use_threads(self.config.num_threads)
         logits = self.runner.run(batch)
         sampled = self.sampler(logits, batch.seqs)
         return self._postprocess(batch, sampled.tokens, sampled.logprobs)

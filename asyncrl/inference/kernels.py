@@ -25,9 +25,25 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
+
+_local = threading.local()
+
+
+def use_threads(count: int | None) -> None:
+    """Threads the kernels called from this thread use (None: torch's process-wide count).
+
+    Per calling thread, unlike `torch.set_num_threads`, which is process-wide: an in-process
+    engine thread can use one core while the trainer in the same process keeps the others.
+    """
+    _local.count = count
+
+
+def thread_count() -> int:
+    return getattr(_local, "count", None) or torch.get_num_threads()
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +184,7 @@ class CpuKernels:
         out = torch.empty_like(x)
         rows, dim = x.shape
         self._norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, dim, eps,
-                   torch.get_num_threads())
+                   thread_count())
         return out
 
     def attention(
@@ -188,7 +204,7 @@ class CpuKernels:
         err = self._attn(
             qkv.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             None if slots is None else slots.data_ptr(), positions.data_ptr(), out.data_ptr(),
-            rows, heads, kv_heads, hd, max_len, qkv.stride(0), hd**-0.5, torch.get_num_threads(),
+            rows, heads, kv_heads, hd, max_len, qkv.stride(0), hd**-0.5, thread_count(),
         )
         if err:
             raise ValueError(f"head_dim={hd} is out of range; allowed {ATTENTION_HEAD_DIMS}")
@@ -217,7 +233,7 @@ class CpuKernels:
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.shape[1],
             None if residual is None else residual.data_ptr(),
             0 if residual is None else residual.stride(0), m, n, k, epilogue,
-            torch.get_num_threads(),
+            thread_count(),
         )
         return out
 
@@ -234,7 +250,7 @@ class CpuKernels:
         err = self._forward(
             table, ctypes.byref(dims), norm.data_ptr(), lm_head.data_ptr(), vocab, x.data_ptr(),
             rows, cache.data_ptr(), None, positions.data_ptr(), scratch.data_ptr(),
-            logits.data_ptr(), torch.get_num_threads(),
+            logits.data_ptr(), thread_count(),
         )
         if err:
             raise ValueError(f"head_dim={dims.head_dim} is out of range; allowed "

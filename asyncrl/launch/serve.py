@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import sys
 
+import torch
 import uvicorn
 
 from asyncrl.inference.async_engine import AsyncLLMEngine
@@ -30,6 +31,8 @@ def build_server_app(cfg: ServerConfig):
 
 
 def serve(cfg: ServerConfig) -> None:
+    if cfg.engine.num_threads:  # this process is the engine's alone
+        torch.set_num_threads(cfg.engine.num_threads)
     app, engine = build_server_app(cfg)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

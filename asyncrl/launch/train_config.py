@@ -145,7 +145,7 @@ class TrainRunConfig(Config):
     checkpoint_every: int = pydantic.Field(50, ge=0)  # 0: only at the end
     output_dir: str | None = None  # None: runs/<UTC timestamp>
     seed: int = 0
-    torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: auto")
+    torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: all cores")
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:
