@@ -7,6 +7,7 @@ import pytest
 from conftest import make_samples
 import torch
 
+from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 from asyncrl.train.critic import CriticEngine, ValueModel, critic_token_loss
@@ -50,6 +51,18 @@ def test_packed_values_equal_unpacked(model_dir):
             v = engine.model(input_ids=torch.tensor([s.input_ids]))[0]
             want = torch.cat([torch.zeros(1), v[:-1]])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_shared_prompt_values_equal_unshared(model_dir):
+    """A GRPO group's prompt is computed once: the values it feeds are the same."""
+    samples = [Sample.from_prompt_and_completion([5, 9, 14, 3], out, [-1.0] * len(out),
+                                                 [0] * len(out))
+               for out in ([7, 8], [9, 10, 11], [12])]
+    shared = critic(model_dir, trainable=False).forward(samples)
+    whole = critic(model_dir, trainable=False, share_prefixes=False).forward(samples)
+    for got, want in zip(shared, whole):
+        torch.testing.assert_close(got[4:], want[4:], atol=1e-5, rtol=0)  # the trained part
+        assert not got[1:4].any()  # inside the shared prompt: not computed
 
 
 def test_critic_regresses_toward_fixed_returns(model_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 
 import pytest
 from conftest import make_samples
@@ -22,6 +23,9 @@ from asyncrl.train.packing import (
     pack_samples,
     padded_layout,
     plan_micro_batches,
+    prefix_units,
+    shared_prefix_layout,
+    shared_prefix_len,
     unpack,
 )
 
@@ -215,6 +219,61 @@ def test_forward_only_reference_engine(model_dir):
     assert [t.shape[0] for t in lp] == [5, 3]
     with pytest.raises(ValueError, match="forward-only"):
         ref.train_batch(make_samples([5]), sft_token_loss)
+
+
+def grouped_samples(prompts=((5, 9, 14, 3), (7, 21)), per_group=3, seed=4) -> list[Sample]:
+    """GRPO-style groups: `per_group` completions of different lengths after each prompt."""
+    rng = random.Random(seed)
+    out = []
+    for prompt in prompts:
+        for j in range(per_group):
+            n = 2 + j + rng.randrange(3)
+            out.append(Sample.from_prompt_and_completion(
+                list(prompt), [rng.randrange(3, 60) for _ in range(n)], [-1.0] * n, [0] * n))
+    return out
+
+
+def test_shared_prefix_logprobs_equal_whole_sequences(model_dir):
+    eng = engine(model_dir, attention_layout="padded")
+    samples = grouped_samples()
+    mb = build_micro_batches(samples, 1000)[0]
+    lay = shared_prefix_layout(mb)
+    assert lay is not None and lay.prefix_ids.shape == (2, 3)  # each prompt but its last token
+    got = eng.forward(samples)
+    with torch.no_grad():
+        for s, lp in zip(samples, got):
+            start = shared_prefix_len(s.loss_mask) + 1  # the first position it computes
+            want = reference_logprobs(eng.model, s)
+            torch.testing.assert_close(lp[start:], want[start:], atol=1e-5, rtol=0)
+            assert not lp[:start].any()  # inside the shared prompt: not computed, 0
+
+
+def test_shared_prefix_grads_equal_per_sequence_grads(model_dir):
+    eng = engine(model_dir, attention_layout="padded")
+    samples = grouped_samples(seed=5)
+    mb = build_micro_batches(samples, 1000)[0]
+    eng.packed_logprobs(mb)[mb.tensors["loss_mask"]].sum().backward()
+    shared = {n: p.grad.clone() for n, p in eng.model.named_parameters()}
+    eng.model.zero_grad()
+    for s in samples:
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        reference_logprobs(eng.model, s)[m].sum().backward()
+    for n, p in eng.model.named_parameters():
+        torch.testing.assert_close(shared[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_plan_keeps_a_prompt_group_in_one_micro_batch(model_dir):
+    samples = grouped_samples(prompts=((5, 9, 14, 3), (7, 21), (8, 8, 8)), per_group=4)
+    assert prefix_units(samples, range(len(samples))) == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                           [8, 9, 10, 11]]
+    eng = engine(model_dir, attention_layout="padded", max_tokens_per_mb=30)
+    mbs, _ = eng._plan(samples, None)
+    assert len(mbs) > 1
+    for mb in mbs:
+        assert len({tuple(samples[i].input_ids[:2]) for i in mb.sample_index}) == 1
+    off = engine(model_dir, attention_layout="padded", share_prefixes=False)
+    mb = off._plan(samples, None)[0][0]
+    assert off.model_outputs(mb)[1] is None  # sharing off: every position computed
 
 
 def test_padded_layout_places_each_token(model_dir):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,9 +50,11 @@ class ValueModel(torch.nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None, use_cache: bool = False,
+        past_key_values: Any = None,
     ) -> torch.Tensor:
         out = self.model(input_ids=input_ids, position_ids=position_ids,
-                         attention_mask=attention_mask, use_cache=use_cache)
+                         attention_mask=attention_mask, use_cache=use_cache,
+                         past_key_values=past_key_values)
         hidden = out.last_hidden_state
         # The head runs in its own (fp32 master) dtype; under autocast Linear casts anyway.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
@@ -86,12 +89,18 @@ class CriticEngine(HFTrainEngine):
         """The engine's per-token output hook: here input-aligned values [N] (float32)."""
         return self.packed_values(mb)
 
+    _prefix_kwargs: dict[str, Any] = {}
+
     def _head(self, out: torch.Tensor) -> torch.Tensor:
         return out  # ValueModel already returns the values [B, T]
 
     def packed_values(self, mb: PackedMicroBatch) -> torch.Tensor:
         mb = mb.to(self.device)
-        return next_token_logprobs_aligned(self.model_outputs(mb).float(), mb)
+        values, computed = self.model_outputs(mb)
+        values = values.float()
+        if computed is not None:
+            values = values.masked_fill(~computed, 0.0)
+        return next_token_logprobs_aligned(values, mb)
 
 
 def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:

@@ -16,6 +16,7 @@ each token came from, so per-token outputs scatter back to samples.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -205,6 +206,88 @@ def padded_layout(mb: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor, tor
     mask = torch.zeros(k * width, dtype=torch.long, device=device)
     mask[index] = 1
     return ids.view(k, width), mask.view(k, width), index
+
+
+def shared_prefix_len(loss_mask: Sequence[int | bool]) -> int:
+    """Tokens before a sample's last untrained token ahead of its first trained one: the part
+    that samples with the same prompt (a GRPO group) can compute once. The last prompt token
+    stays with each sample, so the logits that predict the first trained token are its own."""
+    first = next((t for t in range(1, len(loss_mask)) if loss_mask[t]), len(loss_mask))
+    return max(first - 1, 0)
+
+
+def prefix_units(samples: Sequence[Sample], indices: Sequence[int]) -> list[list[int]]:
+    """`indices` grouped by identical shared prefix (first appearance order): the units a
+    micro-batch plan keeps together so their prompt is computed once."""
+    units: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        s = samples[i]
+        key = tuple(s.input_ids[: shared_prefix_len(s.loss_mask)]) or (-1 - i,)  # none: alone
+        units.setdefault(key, []).append(i)
+    return list(units.values())
+
+
+def unit_tokens(samples: Sequence[Sample], unit: Sequence[int]) -> int:
+    """Tokens a unit costs when its shared prefix is computed once."""
+    prefix = shared_prefix_len(samples[unit[0]].loss_mask) if len(unit) > 1 else 0
+    return prefix + sum(len(samples[i].input_ids) - prefix for i in unit)
+
+
+@dataclass
+class SharedPrefixLayout:
+    """A micro-batch as G distinct prefixes [G, P] plus k continuations [k, C] that attend to
+    their prefix through a KV cache (`group` [k]: each row's prefix). `token_pos` [M] are the
+    packed positions computed by the continuation pass, at `index` [M] of its k * C grid."""
+
+    prefix_ids: torch.Tensor
+    prefix_mask: torch.Tensor
+    group: torch.Tensor
+    cont_ids: torch.Tensor
+    cont_mask: torch.Tensor  # [k, P + C]: the row's prefix, then its continuation
+    cont_pos: torch.Tensor
+    index: torch.Tensor
+    token_pos: torch.Tensor
+
+
+def shared_prefix_layout(mb: PackedMicroBatch) -> SharedPrefixLayout | None:
+    """The layout computing each shared prefix once; None when no two samples share one."""
+    ids = mb.input_ids[0].tolist()
+    mask = mb.tensors["loss_mask"].tolist()
+    bounds = mb.cu_seqlens.tolist()
+    groups: dict[tuple[int, ...], int] = {}
+    rows = []  # (start, prefix length, end, group)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        plen = shared_prefix_len(mask[start:end])
+        g = groups.setdefault(tuple(ids[start:start + plen]), len(groups))
+        rows.append((start, plen, end, g))
+    sizes = collections.Counter(g for _, plen, _, g in rows if plen > 0)
+    if not sizes or max(sizes.values()) < 2:
+        return None
+    width_p = max(r[1] for r in rows)
+    width_c = max(end - start - plen for start, plen, end, _ in rows)
+    k, device = len(rows), mb.input_ids.device
+    prefix_ids = torch.zeros(len(groups), width_p, dtype=torch.long)
+    prefix_mask = torch.zeros(len(groups), width_p, dtype=torch.long)
+    for key, g in groups.items():
+        prefix_ids[g, : len(key)] = torch.tensor(key, dtype=torch.long)
+        prefix_mask[g, : len(key)] = 1
+    cont_ids = torch.zeros(k, width_c, dtype=torch.long)
+    cont_mask = torch.zeros(k, width_p + width_c, dtype=torch.long)
+    cont_pos = torch.zeros(k, width_c, dtype=torch.long)
+    index, token_pos = [], []
+    for j, (start, plen, end, _) in enumerate(rows):
+        n = end - start - plen
+        cont_ids[j, :n] = torch.tensor(ids[start + plen:end], dtype=torch.long)
+        cont_mask[j, :plen] = 1
+        cont_mask[j, width_p:width_p + n] = 1
+        cont_pos[j] = torch.arange(plen, plen + width_c)
+        index += range(j * width_c, j * width_c + n)
+        token_pos += range(start + plen, end)
+    return SharedPrefixLayout(
+        *(t.to(device) for t in (prefix_ids, prefix_mask,
+                                 torch.tensor([r[3] for r in rows], dtype=torch.long), cont_ids,
+                                 cont_mask, cont_pos, torch.tensor(index, dtype=torch.long),
+                                 torch.tensor(token_pos, dtype=torch.long))))
 
 
 def next_token_logprobs_aligned(
