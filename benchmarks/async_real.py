@@ -20,7 +20,7 @@ from rich.table import Table
 
 @dataclass
 class RunSummary:
-    eta: int
+    label: str | int  # the eta, or the seed
     steps: int
     train_seconds: float
     initial_accuracy: float | None
@@ -28,6 +28,7 @@ class RunSummary:
     best_accuracy: float | None
     time_to_target: float | None  # training seconds at the first eval >= target
     gen_tokens_per_s: float
+    train_tokens: int  # prompt + completion tokens of every trained sample
     curve: list[tuple[int, float, float]]  # (step, training seconds, greedy accuracy)
 
     @property
@@ -35,7 +36,7 @@ class RunSummary:
         return self.train_seconds / self.steps if self.steps else float("nan")
 
 
-def summarise(eta: int, metrics_path: Path, target: float | None) -> RunSummary:
+def summarise(label: str | int, metrics_path: Path, target: float | None) -> RunSummary:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "reward/mean" in r]
     curve = [(r["step"], r.get("time/elapsed_s", 0.0), r["eval/greedy_accuracy"])
@@ -44,28 +45,28 @@ def summarise(eta: int, metrics_path: Path, target: float | None) -> RunSummary:
     train_s = steps[-1]["time/elapsed_s"] if steps else 0.0
     gen = [r.get("perf/gen_tokens_per_s", 0.0) for r in steps[1:]] or [0.0]
     accs = [acc for _, _, acc in curve]
-    return RunSummary(eta, len(steps), train_s, accs[0] if accs else None,
+    return RunSummary(label, len(steps), train_s, accs[0] if accs else None,
                       accs[-1] if accs else None, max(accs) if accs else None, hit,
-                      sum(gen) / len(gen), curve)
+                      sum(gen) / len(gen), int(sum(r.get("batch/tokens", 0) for r in steps)),
+                      curve)
 
 
-def run_one(eta: int, out: Path, config: str | None, max_seconds: float, overrides: list[str],
-            console: Console) -> RunSummary | None:
-    run_dir = out / f"eta{eta}"
+def run_train(label: str | int, run_dir: Path, config: str | None, overrides: list[str],
+              console: Console, target: float | None = None) -> RunSummary | None:
+    """One `asyncrl train` process (as a user runs it) -> its summary; None if it failed."""
     cmd = [sys.executable, "-m", "asyncrl.cli", "train", *([config] if config else []),
-           f"rollout.max_head_offpolicyness={eta}", f"max_train_seconds={max_seconds}",
            f"output_dir={run_dir}", "logging.tensorboard=false", *overrides]
-    console.print(f"[bold]eta={eta}[/]: {' '.join(cmd[3:])}", soft_wrap=True)
+    console.print(f"[bold]{label}[/]: asyncrl {' '.join(cmd[3:])}", soft_wrap=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        console.print(f"[red]eta={eta} failed with exit {proc.returncode}[/]")
+        console.print(f"[red]{label} failed with exit {proc.returncode}[/]")
         return None
     console.print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "")
-    return summarise(eta, run_dir / "metrics.jsonl", None)
+    return summarise(label, run_dir / "metrics.jsonl", target)
 
 
 def report(runs: list[RunSummary], target: float | None, console: Console) -> None:
-    base = next((r for r in runs if r.eta == 0), None)
+    base = next((r for r in runs if r.label == 0), None)
     table = Table(title=f"asyncrl train, eta = 0 (synchronous) vs asynchronous; target accuracy "
                         f"{'-' if target is None else f'{target:.0%}'}")
     for col in ("eta", "steps", "s/step", "gen tok/s", "acc start", "acc end", "acc best",
@@ -76,7 +77,7 @@ def report(runs: list[RunSummary], target: float | None, console: Console) -> No
         speed = (f"{base.time_to_target / r.time_to_target:.2f}x"
                  if base and base.time_to_target and r.time_to_target else "-")
         fmt = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
-        table.add_row(str(r.eta), str(r.steps), f"{r.seconds_per_step:.2f}",
+        table.add_row(str(r.label), str(r.steps), f"{r.seconds_per_step:.2f}",
                       f"{r.gen_tokens_per_s:,.0f}", fmt(r.initial_accuracy),
                       fmt(r.final_accuracy), fmt(r.best_accuracy),
                       "-" if r.time_to_target is None else f"{r.time_to_target:.0f}s",
@@ -84,7 +85,7 @@ def report(runs: list[RunSummary], target: float | None, console: Console) -> No
     console.print(table)
     for r in runs:
         pts = ", ".join(f"{step}:{acc:.0%}@{t:.0f}s" for step, t, acc in r.curve)
-        console.print(f"eta={r.eta} curve (step:accuracy@training seconds): {pts}", soft_wrap=True)
+        console.print(f"eta={r.label} curve (step:accuracy@training seconds): {pts}", soft_wrap=True)
 
 
 def run_real_benchmark(etas: list[int], target: float | None, max_seconds: float,
@@ -92,8 +93,10 @@ def run_real_benchmark(etas: list[int], target: float | None, max_seconds: float
     console = Console(width=160)
     runs = []
     for eta in sorted(set([0, *etas])):
-        summary = run_one(eta, out, config, max_seconds, overrides, console)
+        summary = run_train(eta, out / f"eta{eta}", config,
+                            [f"rollout.max_head_offpolicyness={eta}",
+                             f"max_train_seconds={max_seconds}", *overrides], console, target)
         if summary is not None:
-            runs.append(summarise(eta, out / f"eta{eta}" / "metrics.jsonl", target))
+            runs.append(summary)
     report(runs, target, console)
     return runs

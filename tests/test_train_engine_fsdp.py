@@ -20,6 +20,7 @@ from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
 from asyncrl.train.optim import OptimizerConfig
+from asyncrl.train.packing import build_micro_batches, shared_prefix_layout
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                        intermediate_size=128)
@@ -33,11 +34,15 @@ STEPS = 2
 
 
 def make_samples() -> list[Sample]:
+    """Samples 0 and 2 share a prompt: the single process computes it once (share_prefixes),
+    FSDP ranks compute it per sample; gradients and trained logprobs must agree."""
     g = torch.Generator().manual_seed(0)
     out = []
     for n in LENGTHS:
         ids = torch.randint(3, 60, (n,), generator=g).tolist()
         p = max(1, n // 3)
+        if len(out) == 2:
+            ids[:p] = out[0].input_ids[:p]
         out.append(Sample.from_prompt_and_completion(ids[:p], ids[p:], [-1.0] * (n - p),
                                                      [0] * (n - p)))
     return out
@@ -98,8 +103,11 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path):
     assert set(dist_run["state"]) == set(ref)
     for name, value in dist_run["state"].items():
         torch.testing.assert_close(value, ref[name], atol=1e-5, rtol=0, msg=name)
-    for a, b in zip(dist_run["logprobs"], logprobs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert single.share_prefixes and shared_prefix_layout(
+        build_micro_batches(make_samples()[:3], 100)[0]) is not None
+    for sample, a, b in zip(make_samples(), dist_run["logprobs"], logprobs):
+        trained = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(a[trained], b[trained], atol=1e-5, rtol=0)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,15 @@ class SFTResult:
     cached: bool = False
 
 
+# Part of the cache key: bump when the SFT code changes what a config trains (the README's
+# main-job figures come from a warm start of this recipe; tests/test_main_job_record.py checks).
+# v2: every core (v1 ran on one thread inside `asyncrl train`; the sums differ in order).
+SFT_RECIPE_VERSION = 2
+
+
 def cache_key(cfg: SFTRunConfig) -> str:
     payload = cfg.model_copy(update={"output_dir": None}).to_yaml()
+    payload += f"\nsft_recipe_version: {SFT_RECIPE_VERSION}\n"
     if cfg.model.path is None:
         # The result embeds the built tiny model's tokenizer (chat template included): a new
         # builder version must not reuse a warm start saved with the old one.
@@ -126,12 +133,34 @@ def load_cached(out: Path) -> SFTResult | None:
     return SFTResult(**data)
 
 
-def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool = False) -> SFTResult:
+ESTIMATE_AFTER = 5  # steps timed before the SFT estimate is printed
+
+
+def estimate_message(step: int, elapsed: float, steps: int,
+                     then: tuple[str, float | None] | None) -> str:
+    """'SFT: about N min (...)' from the first steps, and the total when a job follows."""
+    sft = elapsed / step * steps
+    msg = (f"SFT estimate: {sft / 60:.1f} min for {steps} steps ({elapsed / step:.2f} s/step "
+           f"over the first {step}, {torch.get_num_threads()} threads)")
+    if then is not None:
+        what, seconds = then
+        total = f"about {(sft + seconds) / 60:.0f} min" if seconds is not None else "then"
+        msg += f"; {total} in all with {what}"
+    return msg
+
+
+def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool = False,
+                then: tuple[str, float | None] | None = None) -> SFTResult:
+    """Train (or reuse the cached) warm start. `then`: (what runs after, its seconds or None),
+    for the total-time estimate printed once the first steps are timed."""
     console = console or Console(stderr=True)
     out = output_dir_for(cfg)
     if not force and (cached := load_cached(out)) is not None:
         console.print(f"[green]cached[/] SFT model at {out} (eval accuracy {cached.eval_accuracy:.1%})")
         return cached
+    console.print(f"No cached SFT warm start for this config: training it now ({cfg.sft.steps} "
+                  f"steps; cached in {out} for later runs). An estimate follows after "
+                  f"{ESTIMATE_AFTER} steps.")
     torch.manual_seed(cfg.sft.seed)
     base = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.tiny)
     tokenizer = load_tokenizer(base)
@@ -155,6 +184,9 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
 
         def on_step(step: int, stats: dict[str, float]) -> None:
             info = f"loss {stats['sft/loss']:.3f} lr {stats['sft/lr']:.1e}"
+            if step == min(ESTIMATE_AFTER, cfg.sft.steps):
+                progress.console.print(estimate_message(step, stats["time/elapsed_s"],
+                                                        cfg.sft.steps, then))
             if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
                 acc = evaluate()
                 progress.console.print(f"step {step}: eval greedy accuracy {acc:.1%}")

@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,11 @@ def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
         return Path(cfg.model.path)
     from asyncrl.launch.sft import run_sft_job
 
-    return Path(run_sft_job(cfg.warm_start, console).model_dir)
+    rl = (f"{cfg.max_train_seconds / 60:.0f} min of RL training"
+          if cfg.max_train_seconds is not None else f"{cfg.total_steps} RL steps")
+    extra = f", plus evaluations every {cfg.eval.every} steps" if cfg.eval.every else ""
+    return Path(run_sft_job(cfg.warm_start, console, then=(rl + extra,
+                                                          cfg.max_train_seconds)).model_dir)
 
 
 def build_workflow(cfg: TrainRunConfig, reward_fn: Any, tokenizer: Any, engine: Any = None,
@@ -118,12 +123,20 @@ def build_workflow(cfg: TrainRunConfig, reward_fn: Any, tokenizer: Any, engine: 
     return RLVRWorkflow(reward_fn, cfg.gconfig, tokenizer)
 
 
-def set_threads(cfg: TrainRunConfig) -> None:
-    """The trainer (and the SFT warm start) use every core by default. An in-process engine
-    runs its kernels with `inference.num_threads` on its own thread: it generates in short
-    bursts (on the main job ~0.25 s per 128 samples against ~1 s of training), so reserving
-    it a core would leave that core idle most of the step."""
-    torch.set_num_threads(cfg.torch_threads or os.cpu_count() or 1)
+@contextlib.contextmanager
+def trainer_threads(cfg: TrainRunConfig) -> Iterator[None]:
+    """The trainer (and the SFT warm start) use every core of their rank by default; the
+    caller's count is restored after. An in-process engine runs its kernels with
+    `inference.num_threads` on its own thread: it generates in short bursts (on the main job
+    ~0.25 s per 128 samples against ~0.5 s of training), so reserving it a core would leave
+    that core idle most of the step."""
+    before = torch.get_num_threads()
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
+    torch.set_num_threads(cfg.torch_threads or max(1, (os.cpu_count() or 1) // ranks_here))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class RLJob:
@@ -152,23 +165,23 @@ class RLJob:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / CONFIG_FILE)
         torch.manual_seed(cfg.seed)
-        set_threads(cfg)
-        # rank 0 decides (and may run the SFT warm start); the others are told the paths
-        state, policy_dir, self.ckpt, self.base = broadcast(self._initial_state() if leader
-                                                            else None)
-        tokenizer = load_tokenizer(policy_dir)
-        group = self._build_trainer(policy_dir, tokenizer)
-        try:
-            if not leader:
-                group.follow()
-                return self.result
+        with trainer_threads(cfg):
+            # rank 0 decides (and may run the SFT warm start); the others are told the paths
+            state, policy_dir, self.ckpt, self.base = broadcast(self._initial_state() if leader
+                                                                else None)
+            tokenizer = load_tokenizer(policy_dir)
+            group = self._build_trainer(policy_dir, tokenizer)
             try:
-                self._lead(state, policy_dir, tokenizer, group)
+                if not leader:
+                    group.follow()
+                    return self.result
+                try:
+                    self._lead(state, policy_dir, tokenizer, group)
+                finally:
+                    group.stop()
+                return self.result
             finally:
-                group.stop()
-            return self.result
-        finally:
-            leave_process_group()
+                leave_process_group()
 
     def _lead(self, state: LoopState, policy_dir: Path, tokenizer: Any,
               group: TrainerGroup) -> None:

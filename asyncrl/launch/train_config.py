@@ -76,7 +76,9 @@ class InferenceLaunchConfig(Config):
     server_args: list[str] = []  # local: extra command-line arguments for every server
     max_num_seqs: int = pydantic.Field(256, ge=1)  # inprocess / local engines
     dtype: Literal["float32", "bfloat16"] = "float32"
-    num_threads: int | None = pydantic.Field(1, ge=1, description="torch threads per engine")
+    num_threads: int | None = pydantic.Field(
+        1, ge=1, description="threads per engine: an inprocess engine's kernels (the trainer "
+        "keeps torch_threads), a local server's whole process")
     startup_timeout_s: float = pydantic.Field(300.0, gt=0)  # local servers
     remote: RemoteEngineConfig | None = None
     weight_sync: Literal["auto", "tensors", "disk"] = "auto"

@@ -57,7 +57,7 @@ class TrainEngineConfig(Config):
     # Padded layout: samples of a micro-batch with the same prompt (a GRPO group) run it once;
     # their continuations attend to it through a KV cache, gradients flow into it from all of
     # them. Same logprobs and gradients, ~2.3x fewer FLOPs on the main job. Not used with
-    # gradient checkpointing (which drops the cache) or the packed layout.
+    # gradient checkpointing (which drops the cache), the packed layout, or FSDP.
     share_prefixes: bool = True
     optimizer: OptimizerConfig = OptimizerConfig()
     total_steps: int = pydantic.Field(1000, ge=1, description="horizon of the LR schedule")

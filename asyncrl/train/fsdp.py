@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
-from asyncrl.train.packing import balanced_partition, prefix_units, unit_tokens
+from asyncrl.train.packing import balanced_partition
 
 
 def init_distributed() -> None:
@@ -63,6 +63,9 @@ class FSDPTrainEngine(HFTrainEngine):
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         super().__init__(model, cfg)
+        # A shared prompt reaches the loss through its KV cache, which FSDP2's pre-backward
+        # hooks do not see: the backward would find the layers' parameters resharded.
+        self.share_prefixes = False
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
@@ -89,11 +92,8 @@ class FSDPTrainEngine(HFTrainEngine):
         return int(t.item())
 
     def _local_indices(self, samples: list[Sample]) -> list[int]:
-        """This rank's share, balanced by tokens; samples sharing a prompt stay on one rank."""
-        everyone = list(range(len(samples)))
-        units = prefix_units(samples, everyone) if self.share_prefixes else [[i] for i in everyone]
-        parts = balanced_partition([unit_tokens(samples, u) for u in units], self.world_size)
-        return sorted(i for u in parts[self.rank] for i in units[u])
+        parts = balanced_partition([len(s.input_ids) for s in samples], self.world_size)
+        return parts[self.rank]
 
     def _gather_outputs(self, local: dict[int, torch.Tensor], n: int) -> list[torch.Tensor]:
         gathered: list[Any] = [None] * self.world_size
