@@ -14,11 +14,17 @@ share of the machine's fp32 matmul GFLOP/s (measured at start, in the header) at
 per token for forward + backward (attention score FLOPs are not counted); bf16 rows use the same
 fp32 reference.
 
+--task grpo trains a batch shaped like the main job's instead: 16 chat prompts of 2-digit
+addition (~25 tokens) x 8 completions of 3-8 tokens, loss on the completions only. --layouts
+picks ours' micro-batch layouts (`attention_layout`, and `shared` = padded + share_prefixes: each
+prompt computed once per group); tokens/s still counts every real token of every sample.
+
 Run from the repository root:
 
     python benchmarks/bench_train.py                                   # fp32
     python benchmarks/bench_train.py --dtype float32,bfloat16 --repeats 3
     python benchmarks/bench_train.py --samples 32 --max-len 512
+    python benchmarks/bench_train.py --task grpo --layouts packed,padded,shared
 """
 from __future__ import annotations
 
@@ -57,6 +63,29 @@ def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0) 
     return out
 
 
+def make_grpo_samples(groups: int = 16, per_group: int = 8, seed: int = 0) -> list[Sample]:
+    """The main job's batch shape: chat prompts of the arithmetic task, short completions."""
+    from asyncrl.data.arithmetic import ArithmeticTaskConfig
+    from asyncrl.models.chat import encode_chat_prompt
+    from asyncrl.models.loading import ensure_tiny_model, load_tokenizer
+
+    tokenizer = load_tokenizer(ensure_tiny_model(TinyModelConfig()))
+    rng = random.Random(seed)
+    out = []
+    for row in ArithmeticTaskConfig(digits=2).build().train_rows()[:groups]:
+        prompt = encode_chat_prompt(tokenizer, row["messages"])
+        for _ in range(per_group):
+            n = rng.randint(3, 8)
+            out.append(Sample.from_prompt_and_completion(
+                prompt, [rng.randrange(3, 100) for _ in range(n)], [-1.0] * n, [0] * n))
+    return out
+
+
+LAYOUTS = {"packed": {"attention_layout": "packed"},
+           "padded": {"attention_layout": "padded", "share_prefixes": False},
+           "shared": {"attention_layout": "padded", "share_prefixes": True}}
+
+
 class HFLoop:
     """The baseline: padded batches, HF's own label-shifted loss, gradient accumulation."""
 
@@ -92,21 +121,25 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def bench_dtype(args: argparse.Namespace, path: str, samples: list[Sample]) -> tuple[float, float]:
-    """(HF, ours) best real tokens/s for one dtype setting."""
+def bench_dtype(args: argparse.Namespace, path: str, samples: list[Sample]
+                ) -> tuple[float, dict[str, float]]:
+    """HF's and each layout's best real tokens/s for one dtype setting."""
     bf16 = args.current_dtype == "bfloat16"
-    engine = HFTrainEngine(load_causal_lm(path), TrainEngineConfig(
+    engines = {name: HFTrainEngine(load_causal_lm(path), TrainEngineConfig(
         max_tokens_per_mb=args.max_tokens_per_mb, optimizer=OPTIM, device="cpu",
-        autocast_dtype="bfloat16" if bf16 else "none",
-    ))
+        autocast_dtype="bfloat16" if bf16 else "none", **LAYOUTS[name],
+    )) for name in args.layouts}
     hf = HFLoop(load_causal_lm(path), args.hf_batch, bf16)
     tokens = sum(len(s.input_ids) for s in samples)
-    hf_best = ours_best = 0.0
+    hf_best, ours_best = 0.0, dict.fromkeys(engines, 0.0)
     for rep in range(args.repeats + 1):  # interleaved; rep 0 is the warm-up
         hf_tps = tokens / timed(lambda: hf.step(samples))
-        ours_tps = tokens / timed(lambda: engine.train_batch(samples, sft_token_loss))
+        for name, engine in engines.items():
+            tps = tokens / timed(lambda e=engine: e.train_batch(samples, sft_token_loss))
+            if rep:
+                ours_best[name] = max(ours_best[name], tps)
         if rep:
-            hf_best, ours_best = max(hf_best, hf_tps), max(ours_best, ours_tps)
+            hf_best = max(hf_best, hf_tps)
     return hf_best, ours_best
 
 
@@ -127,7 +160,13 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16, help="baseline: samples per padded batch")
     ap.add_argument("--dtype", default="float32",
                     help="comma-separated from float32, bfloat16 (bf16 = autocast, fp32 master)")
+    ap.add_argument("--task", choices=["random", "grpo"], default="random")
+    ap.add_argument("--layouts", default="packed",
+                    help=f"ours, comma-separated from {', '.join(LAYOUTS)}")
     args = ap.parse_args()
+    args.layouts = args.layouts.split(",")
+    if unknown := set(args.layouts) - set(LAYOUTS):
+        ap.error(f"--layouts {sorted(unknown)}: allowed {', '.join(LAYOUTS)}")
     dtypes = args.dtype.split(",")
     if unknown := set(dtypes) - {"float32", "bfloat16"}:
         ap.error(f"--dtype {sorted(unknown)}: allowed float32, bfloat16")
@@ -138,22 +177,26 @@ def main() -> None:
     path = str(build_tiny_model(TinyModelConfig(), tempfile.mkdtemp(prefix="bench_train_")))
     model = load_causal_lm(path)
     params, vocab = count_parameters(model), model.config.vocab_size
-    samples = make_samples(args.samples, args.min_len, args.max_len, min(vocab, 101))
+    samples = (make_grpo_samples() if args.task == "grpo"
+               else make_samples(args.samples, args.min_len, args.max_len, min(vocab, 101)))
     tokens = sum(len(s.input_ids) for s in samples)
     gflops = matmul_gflops()
     roofline = gflops * 1e9 / (6 * params)
-    print(f"model: {params / 1e6:.2f}M params | threads {args.threads} | {args.samples} samples, "
-          f"len U[{args.min_len}, {args.max_len}], {tokens} real tokens | HF batch "
+    shape = ("main-job batch: 16 prompts x 8 completions" if args.task == "grpo" else
+             f"len U[{args.min_len}, {args.max_len}]")
+    print(f"model: {params / 1e6:.2f}M params | threads {args.threads} | {len(samples)} samples, "
+          f"{shape}, {tokens} real tokens | HF batch "
           f"{args.hf_batch} ({padding_share(samples, args.hf_batch):.0%} padding) | ours budget "
           f"{args.max_tokens_per_mb} tok/mb | fp32 matmul {gflops:.0f} GFLOP/s -> roofline "
           f"{roofline:,.0f} tok/s | load {os.getloadavg()[0]:.2f}")
-    print(f"{'dtype':>9} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} "
+    print(f"{'dtype':>9} {'layout':>7} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} "
           f"{'HF roof':>8} {'ours roof':>10}")
     for dtype in dtypes:
         args.current_dtype = dtype
         hf, ours = bench_dtype(args, path, samples)
-        print(f"{dtype:>9} {hf:10,.0f} {ours:11,.0f} {ours / hf:8.2f} {hf / roofline:8.1%} "
-              f"{ours / roofline:10.1%}", flush=True)
+        for name, tps in ours.items():
+            print(f"{dtype:>9} {name:>7} {hf:10,.0f} {tps:11,.0f} {tps / hf:8.2f} "
+                  f"{hf / roofline:8.1%} {tps / roofline:10.1%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ class TrainEngineConfig(Config):
     attention_layout: Literal["auto", "packed", "padded"] = "auto"
     # Padded layout: samples of a micro-batch with the same prompt (a GRPO group) run it once;
     # their continuations attend to it through a KV cache, gradients flow into it from all of
-    # them. Same logprobs and gradients, ~2.3x fewer FLOPs on the main job. Not used with
+    # them. Same logprobs and gradients, 2.3x the tokens/s of "padded" on the main job (bench_train
+    # --task grpo). Not used with
     # gradient checkpointing (which drops the cache), the packed layout, or FSDP.
     share_prefixes: bool = True
     optimizer: OptimizerConfig = OptimizerConfig()
