@@ -2,7 +2,39 @@
 
 Generation and training run side by side: inference engines produce rollouts tagged with the
 policy version of every token, the trainer consumes them under a staleness bound and pushes new
-weights back. See README.md for the two-command quick start.
+weights back. See README.md for the two-command quick start and ARCHITECTURE.md for the map.
+
+    from asyncrl import Trainer, TrainRunConfig
+    Trainer("configs/train_tiny.yaml").train(workflow=my_workflow, loss=my_loss)
+
+The names below load on first use, so `import asyncrl.api` stays free of torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Trainer": "asyncrl.launch.train",
+    "TrainResult": "asyncrl.launch.train",
+    "TrainRunConfig": "asyncrl.launch.train_config",
+    "RLVRWorkflow": "asyncrl.rollout.rlvr",
+    "GroupedWorkflow": "asyncrl.rollout.group",
+    "PPOLoss": "asyncrl.train.losses",
+    "PPOLossConfig": "asyncrl.train.losses",
+}
+_API = ("EvalReport", "Evaluator", "GenerationConfig", "InferenceEngine", "LossInputs",
+        "ModelRequest", "ModelResponse", "PolicyLoss", "ReportsMetrics", "RolloutWorkflow",
+        "Sample", "Trajectory", "AgentProgram")
+_LAZY.update({name: "asyncrl.api" for name in _API})
+
+__all__ = ["__version__", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'asyncrl' has no attribute {name!r}")

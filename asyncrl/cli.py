@@ -52,7 +52,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from asyncrl.launch.evaluate import EvalConfig, parse_k_list, run_eval_job
+    from asyncrl.launch.evaluate import parse_k_list, run_eval_job
+    from asyncrl.rollout.answer_eval import EvalConfig
 
     given = {"pass_k": parse_k_list(ns.k, "--k") if ns.k is not None else None,
              "num_samples": ns.num_samples, "temperature": ns.temperature,
@@ -83,7 +84,7 @@ def _eval_inference(ns: argparse.Namespace):
 def cmd_train(ns: argparse.Namespace) -> int:
     import os
 
-    from asyncrl.launch.train import TrainRunConfig, load_run_config, run_train_job
+    from asyncrl.launch.train import Trainer, TrainRunConfig, load_run_config
 
     path, overrides = _split_config_and_overrides(ns.args)
     bad = [a for a in overrides if "=" not in a]
@@ -96,7 +97,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg = load_run_config(ns.resume, overrides)
     else:
         cfg = TrainRunConfig.load(path, overrides)
-    result = run_train_job(cfg, resume_dir=ns.resume)
+    result = Trainer(cfg, run_dir=ns.resume).train(resume=bool(ns.resume))
     if os.environ.get("WORLD_SIZE", "1") != "1":
         _report_and_exit(result)  # torchrun workers skip interpreter teardown
     return _report(result)

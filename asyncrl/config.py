@@ -42,11 +42,17 @@ class Config(pydantic.BaseModel):
     def from_dict(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
         """Validate `data` laid over this class's defaults, so `train: {optimizer: {lr: 1e-4}}`
         changes only the learning rate and keeps the other values the preset chose."""
-        data = merge_over_defaults(cls, data)
+        data = merge_over_defaults(cls, cls.shorthand(data))
         try:
             return cls.model_validate(data)
         except pydantic.ValidationError as err:
             raise ConfigError(format_validation_error(cls, err, data, source)) from None
+
+    @classmethod
+    def shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Spell out a config's shorthands before defaults are laid under it (e.g. a union
+        member implied by its keys); the base has none."""
+        return data
 
     @classmethod
     def load(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:

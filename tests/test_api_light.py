@@ -1,4 +1,4 @@
-"""`import asyncrl.api` must stay cheap: no torch, fastapi, transformers (DESIGN.md layers)."""
+"""`import asyncrl.api` must stay cheap: no torch, fastapi, transformers (ARCHITECTURE.md, "Layers")."""
 
 import subprocess
 import sys

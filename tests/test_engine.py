@@ -330,7 +330,7 @@ def test_async_engine_protocol_pause_and_updates(model_dir, hf, prompts, hf_gree
         await asyncio.sleep(0.05)
         assert not queued.done()
         new_sd = perturbed_state_dict(hf)
-        await engine.update_weights(WeightUpdateMeta.from_tensors(version=1), state_dict=new_sd)
+        await engine.update_weights(WeightUpdateMeta.from_tensors(version=1), new_sd)
         assert engine.get_version() == 1
         engine.resume()
         out = await queued
@@ -339,7 +339,7 @@ def test_async_engine_protocol_pause_and_updates(model_dir, hf, prompts, hf_gree
         await engine.update_weights(WeightUpdateMeta.from_disk(str(tmp_path / "orig"), version=2))
         out = await engine.agenerate(ModelRequest(prompts[1], greedy()))
         assert out.output_tokens == hf_greedy[1] and out.output_versions == [2] * 24
-        with pytest.raises(ValueError, match="state_dict"):
+        with pytest.raises(ValueError, match="`weights`"):
             await engine.update_weights(WeightUpdateMeta.from_tensors(version=3))
 
     with AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128)) as engine:

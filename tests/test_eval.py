@@ -19,17 +19,12 @@ from asyncrl.data.split import DatasetError
 from asyncrl.errors import UserError
 from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
-from asyncrl.launch.evaluate import (
-    EvalConfig,
-    evaluate,
-    load_eval_rows,
-    parse_k_list,
-    pass_at_k,
-    resolve_model_dir,
-)
-from asyncrl.launch.rewards import math_reward, open_reward
+from asyncrl.launch.evaluate import load_eval_rows, parse_k_list
+from asyncrl.rollout.answer_eval import EvalConfig, evaluate, pass_at_k
+from asyncrl.launch.run_checkpoints import find_policy_dir
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.reward.registry import math_reward, open_reward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -303,33 +298,33 @@ def fake_model_dir(path):
     return path
 
 
-def test_resolve_model_dir_layouts(tmp_path):
+def test_find_policy_dir_layouts(tmp_path):
     hf = fake_model_dir(tmp_path / "hf")
-    assert resolve_model_dir(hf) == hf
+    assert find_policy_dir(hf) == hf
     ckpt = tmp_path / "ckpt"
     fake_model_dir(ckpt / "policy")
     (ckpt / "trainer").mkdir()
-    assert resolve_model_dir(ckpt) == ckpt / "policy"
+    assert find_policy_dir(ckpt) == ckpt / "policy"
 
     run = tmp_path / "run"
     for step in (50, 200, 150):
         fake_model_dir(run / "checkpoints" / f"step_{step:06d}" / "policy")
     (run / "checkpoints" / ".step_000300.tmp").mkdir()  # a half-written save is ignored
-    assert resolve_model_dir(run) == run / "checkpoints" / "step_000200" / "policy"
+    assert find_policy_dir(run) == run / "checkpoints" / "step_000200" / "policy"
     (run / "checkpoints" / "latest").write_text("step_000150\n")
-    assert resolve_model_dir(str(run)) == run / "checkpoints" / "step_000150" / "policy"
+    assert find_policy_dir(str(run)) == run / "checkpoints" / "step_000150" / "policy"
 
     (run / "checkpoints" / "latest").write_text("step_000999\n")
     with pytest.raises(UserError, match="step_000999"):
-        resolve_model_dir(run)
+        find_policy_dir(run)
     broken = tmp_path / "broken"
     (broken / "checkpoints" / "step_000010" / "trainer").mkdir(parents=True)
     with pytest.raises(UserError, match="step_000010 has no policy/config.json"):
-        resolve_model_dir(broken)
+        find_policy_dir(broken)
     with pytest.raises(UserError, match="looked for .*config.json.*policy/config.json.*step_"):
-        resolve_model_dir(tmp_path)
+        find_policy_dir(tmp_path)
     with pytest.raises(UserError, match="not found"):
-        resolve_model_dir(tmp_path / "nope")
+        find_policy_dir(tmp_path / "nope")
 
 
 def test_load_eval_rows(tmp_path):

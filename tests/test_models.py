@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.api import GenerationConfig
 from asyncrl.config import ConfigError
 from asyncrl.models import (
     ModelConfig,
@@ -29,6 +30,7 @@ from asyncrl.models import (
     save_tokenizer,
 )
 from asyncrl.models import loading
+from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
 
 TEXT = st.text(alphabet=st.sampled_from(CHARACTERS), max_size=200)
@@ -173,6 +175,23 @@ def test_chat_template_renders_tool_calls_exactly(tokenizer):
 def test_chat_template_rejects_unknown_role(tokenizer):
     with pytest.raises(jinja2.TemplateError, match="got robot"):
         tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
+def test_stop_at_eos_adds_eos_once_and_keeps_the_rest(tokenizer):
+    eos = tokenizer.eos_token_id
+    others = [eos + 20, eos + 10]  # not sorted, and neither is EOS
+    g = GenerationConfig(greedy=True, max_new_tokens=7, stop_token_ids=others, stop=["END"])
+    out = stop_at_eos(g, tokenizer)
+    assert out.stop_token_ids == [*others, eos]  # the caller's order, EOS last
+    assert g.stop_token_ids == [eos + 20, eos + 10]  # the input is not modified
+    assert (out.greedy, out.max_new_tokens, out.stop) == (True, 7, ["END"])
+    assert stop_at_eos(out, tokenizer) is out  # already there: nothing to add
+    assert stop_at_eos(GenerationConfig(), tokenizer).stop_token_ids == [eos]
+
+    class NoEos:
+        eos_token_id = None
+
+    assert stop_at_eos(g, NoEos()) is g
 
 
 # ---- tiny model ---------------------------------------------------------------------------------

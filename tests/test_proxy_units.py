@@ -11,8 +11,8 @@ from asyncrl.models.tokenizer import build_char_tokenizer
 from asyncrl.proxy.export import export_concat, export_individual, export_session
 from asyncrl.proxy.prompt_reuse import build_prompt
 from asyncrl.proxy.records import Completion, Session
-from asyncrl.proxy.rewards import discounted_returns, raw_rewards
 from asyncrl.proxy.tool_calls import parse_tool_calls
+from asyncrl.reward.returns import raw_rewards, session_returns
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +62,14 @@ def test_float_reward_goes_to_last_completion_and_discounts_backwards():
     turns = [["a"], ["b"], ["c"]]
     raw = raw_rewards(turns, {}, 1.0)
     assert raw == {"a": 0.0, "b": 0.0, "c": 1.0}
-    g = discounted_returns(turns, raw, 0.9)
+    g = session_returns(turns, raw, 0.9)
     assert g == pytest.approx({"a": 0.81, "b": 0.9, "c": 1.0})
 
 
 def test_dict_rewards_and_discounting_by_hand():
     turns = [["a"], ["b"], ["c"]]
     raw = raw_rewards(turns, {"a": 0.5, "c": 2.0}, None)
-    g = discounted_returns(turns, raw, 0.5)
+    g = session_returns(turns, raw, 0.5)
     # c: 2; b: 0 + 0.5*2 = 1; a: 0.5 + 0.5*1 = 1
     assert g == pytest.approx({"a": 1.0, "b": 1.0, "c": 2.0})
 
@@ -77,14 +77,14 @@ def test_dict_rewards_and_discounting_by_hand():
 def test_turn_discount_one_and_zero():
     turns = [["a"], ["b"]]
     raw = {"a": 0.25, "b": 1.0}
-    assert discounted_returns(turns, raw, 1.0) == pytest.approx({"a": 1.25, "b": 1.0})
-    assert discounted_returns(turns, raw, 0.0) == pytest.approx(raw)
+    assert session_returns(turns, raw, 1.0) == pytest.approx({"a": 1.25, "b": 1.0})
+    assert session_returns(turns, raw, 0.0) == pytest.approx(raw)
 
 
 def test_choices_of_one_turn_feed_the_mean_back():
     turns = [["a"], ["b:0", "b:1"]]
     raw = raw_rewards(turns, {"b:0": 1.0}, None)
-    g = discounted_returns(turns, raw, 1.0)
+    g = session_returns(turns, raw, 1.0)
     assert g == pytest.approx({"a": 0.5, "b:0": 1.0, "b:1": 0.0})
 
 
@@ -92,7 +92,7 @@ def test_unknown_completion_and_bad_discount_are_errors():
     with pytest.raises(KeyError, match="zzz"):
         raw_rewards([["a"]], {"zzz": 1.0}, None)
     with pytest.raises(ValueError, match="turn_discount=1.5 is out of range"):
-        discounted_returns([["a"]], {"a": 0.0}, 1.5)
+        session_returns([["a"]], {"a": 0.0}, 1.5)
 
 
 def test_session_reward_keys_resolve_choices():

@@ -28,6 +28,7 @@ from asyncrl.inference.backends import (
     VLLMBackend,
     make_backend,
 )
+from asyncrl.inference.engine import EngineSettings
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
 from asyncrl.inference.remote import (
@@ -139,7 +140,7 @@ def test_config_validation_names_the_field():
 def test_server_commands_carry_what_rl_needs():
     from asyncrl.launch.server_commands import server_command
 
-    v = server_command("vllm", "/m", python="/venv/bin/python", max_num_seqs=8, api_key="k")
+    v = server_command("vllm", "/m", python="/venv/bin/python", engine=EngineSettings(max_num_seqs=8), api_key="k")
     assert v.argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = " ".join(v.argv)
     assert "--logprobs-mode processed_logprobs" in flags and "--generation-config vllm" in flags
@@ -299,7 +300,7 @@ def test_unsupported_weight_updates_are_value_errors():
 
     async def main():
         with pytest.raises(ValueError, match="kind=tensors is not supported by backend='vllm'"):
-            await engine.update_weights(WeightUpdateMeta.from_tensors(1), named_tensors={})
+            await engine.update_weights(WeightUpdateMeta.from_tensors(1), {})
     asyncio.run(main())
     engine.close()
 
@@ -528,7 +529,7 @@ def test_tensor_weight_push_reaches_every_server(servers, new_weights):
 
     async def main():
         await engine.update_weights(WeightUpdateMeta.from_tensors(2, bucket_bytes=20_000),
-                                    named_tensors=model.state_dict())
+                                    model.state_dict())
         outs = await asyncio.gather(*(engine.agenerate(ModelRequest([7, 8], fixed_len(3)))
                                       for _ in range(3)))
         await engine.aclose()

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.api import ModelRequest, ModelResponse, Sample, StopReason, Trajectory
+from asyncrl.api import ModelRequest, ModelResponse, PolicyVersion, Sample, StopReason, Trajectory
 from asyncrl.rollout.executor import RolloutConfig, WorkflowExecutor
 from asyncrl.rollout.staleness import StalenessManager
 
@@ -80,7 +80,8 @@ def train_loop(eta, steps=12, batch=8, train_seconds=0.03, seed=0, gen_mean=0.02
     engine = SlowEngine(seed, mean=gen_mean)
     cfg = RolloutConfig(batch_size=batch, max_concurrent_rollouts=32, max_head_offpolicyness=eta)
     lags, busy_samples, t0 = [], [], time.monotonic()
-    with WorkflowExecutor(engine, cfg) as ex:
+    policy = PolicyVersion()
+    with WorkflowExecutor(engine, cfg, policy) as ex:
         data = rows()
         for version in range(steps):
             batch_trajs = ex.prepare_batch(data, OneShot(), timeout=60)
@@ -92,7 +93,7 @@ def train_loop(eta, steps=12, batch=8, train_seconds=0.03, seed=0, gen_mean=0.02
                 time.sleep(0.002)
             ex.pause()
             engine.version = version + 1
-            ex.set_version(version + 1)
+            policy.advance()  # the trainer owns the version; the executor follows it
             ex.resume()
         stats = ex.stats()
     return lags, sum(busy_samples) / len(busy_samples), time.monotonic() - t0, stats
@@ -212,3 +213,47 @@ def test_trajectory_dump_bounds_open_files(tmp_path):
     assert len(lines) == 2  # appended, not truncated, when reopened
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
         "v000000.jsonl", "v000001.jsonl", "v000002.jsonl", "v000003.jsonl"]
+
+
+def _drive(manager: StalenessManager, versions: range, rng: random.Random) -> list[int]:
+    """A run in miniature: at each version start what capacity allows, finish everything in a
+    random order (some rejected), consume one batch; returns the capacity seen at each version.
+    Nothing is left running at the end of a version, as at a checkpoint after a drained step."""
+    seen = []
+    for v in versions:
+        started = manager.capacity(v)
+        seen.append(started)
+        for _ in range(started):
+            manager.on_submit()
+        ready = 0
+        for _ in range(started):
+            if rng.random() < 0.2:
+                manager.on_reject()
+            else:
+                manager.on_accept()
+                ready += 1
+        for _ in range(min(manager.batch_size, ready)):
+            manager.on_consume(v, v)
+        for _ in range(ready - min(manager.batch_size, ready)):
+            manager.on_stale_drop()  # what is not consumed is dropped before the checkpoint
+    return seen
+
+
+@pytest.mark.parametrize("eta", [0, 2, 4])
+def test_resumed_staleness_budget_admits_what_an_uninterrupted_run_would(eta):
+    straight = StalenessManager(max_concurrent=1000, batch_size=4, eta=eta)
+    want = _drive(straight, range(10), random.Random(7))
+
+    first = StalenessManager(max_concurrent=1000, batch_size=4, eta=eta)
+    got = _drive(first, range(5), random.Random(7))
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint holds
+    resumed = StalenessManager(max_concurrent=1000, batch_size=4, eta=eta)
+    resumed.load_state_dict(state)
+    rng = random.Random(7)
+    _drive(StalenessManager(1000, 4, eta), range(5), rng)  # the same random stream position
+    got += _drive(resumed, range(5, 10), rng)
+    assert got == want
+    assert resumed.stats == straight.stats
+    # Without the restore the budget restarts at 0 while the version is 5: far more admitted.
+    fresh = StalenessManager(max_concurrent=1000, batch_size=4, eta=eta)
+    assert fresh.capacity(5) > resumed.capacity(5)

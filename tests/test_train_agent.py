@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launch.train import TrainRunConfig, run_train_job
+from asyncrl import Trainer
+from asyncrl.launch.train import TrainRunConfig
 from tests import agents_for_tests as agents
 from tests.test_train_loop import metrics, small_config
 
@@ -22,7 +23,7 @@ def agent_config(model_dir, out, **over):
 def test_agent_job_trains_and_survives_a_flaky_agent(model_dir, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="asyncrl.proxy.workflow")
     cfg = agent_config(model_dir, tmp_path / "run")
-    result = run_train_job(cfg, agent=agents.DigitAgent(fail_every=5))
+    result = Trainer(cfg).train(workflow=agents.DigitAgent(fail_every=5))
     assert result.steps == 3 and result.stopped_by == "total_steps"
     rows = metrics(tmp_path / "run")
     steps = [m for m in rows if "reward/mean" in m]
@@ -41,7 +42,7 @@ def test_agent_by_dotted_path_in_subprocesses(model_dir, tmp_path):
         "workflow.path": "tests.agents_for_tests:SyncEnvAgent", "workflow.mode": "subproc",
         "workflow.subproc_max_workers": 2, "total_steps": 1, "eval.every": 0,
         "rollout.batch_size": 2, "gconfig.n_samples": 2})
-    result = run_train_job(cfg)
+    result = Trainer(cfg).train()
     assert result.steps == 1
     (step,) = [m for m in metrics(tmp_path / "sub") if "reward/mean" in m]
     assert step["reward/mean"] == 0.25 and step["batch/samples"] == 4.0
@@ -52,10 +53,10 @@ def test_agent_config_errors_are_one_line(model_dir, tmp_path):
 
     cfg = agent_config(model_dir, tmp_path / "e", **{"workflow.path": None})
     with pytest.raises(UserError, match="workflow.kind=agent needs workflow.path"):
-        run_train_job(cfg)
+        Trainer(cfg).train()
     cfg = agent_config(model_dir, tmp_path / "f", **{"workflow.path": "tests.agents_for_tests:NotAnAgent"})
     with pytest.raises(UserError, match="must define `async def run"):
-        run_train_job(cfg)
+        Trainer(cfg).train()
     with pytest.raises(ValueError, match="mode"):
         TrainRunConfig.from_dict({"workflow": {"kind": "agent", "mode": "thread"}})
 

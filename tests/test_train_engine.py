@@ -87,7 +87,8 @@ def test_balanced_partition_and_plan():
 
 def test_pack_samples_layout_and_unpack_roundtrip():
     samples = make_samples([4, 3, 5])
-    adv = [[float(10 * i + t) for t in range(len(s.input_ids))] for i, s in enumerate(samples)]
+    adv = [torch.tensor([float(10 * i + t) for t in range(len(s.input_ids))])
+           for i, s in enumerate(samples)]
     mb = pack_samples(samples, [2, 0], {"advantages": adv})
     assert mb.input_ids[0].tolist() == samples[2].input_ids + samples[0].input_ids
     assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
@@ -95,9 +96,10 @@ def test_pack_samples_layout_and_unpack_roundtrip():
     assert mb.tensors["seq_id"].tolist() == [0] * 5 + [1] * 4
     assert not mb.tensors["loss_mask"][[0, 5]].any()  # sample starts never carry loss
     back = unpack(mb.tensors["advantages"], mb)
-    assert back[0].tolist() == adv[2] and back[1].tolist() == adv[0]
+    assert back[0].tolist() == adv[2].tolist() and back[1].tolist() == adv[0].tolist()
+    assert mb.loss_mask is mb.tensors["loss_mask"] and mb.seq_id is mb.tensors["seq_id"]
     with pytest.raises(ValueError, match="token_data"):
-        pack_samples(samples, [0], {"advantages": [[0.0]] * 3})
+        pack_samples(samples, [0], {"advantages": [torch.zeros(1)] * 3})
 
 
 def test_micro_batches_cover_every_sample_once():
@@ -200,15 +202,18 @@ def test_bf16_autocast_and_checkpointing_run(model_dir):
 
 
 def test_version_bookkeeping(model_dir):
+    """An optimizer step is not a policy update: the engine owns the version, the PPO actor
+    advances it once per batch (test_ppo_actor), a resume sets it."""
     eng = engine(model_dir)
-    assert eng.get_version() == 0
+    seen = []
+    eng.version.subscribe(seen.append)
+    assert eng.version.value == 0
     eng.train_batch(make_samples([5]), sft_token_loss)
-    assert eng.get_version() == 1 and eng.step == 1
-    eng.set_version(7)
-    eng.train_batch(make_samples([5]), sft_token_loss)
-    assert eng.get_version() == 8 and eng.step == 2
+    assert eng.version.value == 0 and eng.step == 1
+    eng.version.set(7)
+    assert eng.version.advance() == 8 and seen == [7, 8]
     with pytest.raises(ValueError, match="version=-1"):
-        eng.set_version(-1)
+        eng.version.set(-1)
 
 
 def test_forward_only_reference_engine(model_dir):
@@ -302,12 +307,12 @@ def test_config_rejects_bad_budget():
 def test_token_data_reaches_loss_fn(model_dir):
     eng = engine(model_dir, max_tokens_per_mb=8)
     samples = make_samples([5, 6], seed=5)
-    adv = [[2.0] * len(s.input_ids) for s in samples]
+    adv = [torch.full((len(s.input_ids),), 2.0) for s in samples]
     seen = []
 
-    def loss_fn(logprobs, tensors, normalizer):
-        seen.append(float(tensors["advantages"][tensors["loss_mask"]].mean()))
-        loss = -(logprobs * tensors["advantages"] * tensors["loss_mask"]).sum() / normalizer
+    def loss_fn(logprobs, mb, normalizer):
+        seen.append(float(mb.tensors["advantages"][mb.loss_mask].mean()))
+        loss = -(logprobs * mb.tensors["advantages"] * mb.loss_mask).sum() / normalizer
         return loss, {}
 
     eng.train_batch(samples, loss_fn, token_data={"advantages": adv})

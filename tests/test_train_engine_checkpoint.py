@@ -44,17 +44,18 @@ def samples_for(step: int) -> list[Sample]:
     return out
 
 
-def noisy_loss(logprobs, tensors, normalizer):
+def noisy_loss(logprobs, mb, normalizer):
     """SFT loss with random token weights drawn from torch + numpy + python RNGs, so a resume
     that did not restore the RNG states trains on different weights."""
     noise = torch.rand(logprobs.shape) + float(np.random.rand()) + random.random()
-    mask = tensors["loss_mask"]
+    mask = mb.loss_mask
     return sft_loss(logprobs * noise, mask, normalizer)
 
 
 def train(engine: HFTrainEngine, steps: range) -> None:
     for step in steps:
         engine.train_batch(samples_for(step), noisy_loss)
+        engine.version.advance()  # one policy update per step, as the PPO actor does
 
 
 def seed_all(seed: int) -> None:
@@ -81,11 +82,11 @@ def test_resume_is_exact(tmp_path):
     resumed = HFTrainEngine(load_causal_lm(model_dir), CFG)
     extra = resumed.load(ckpt)
     assert extra == {"data_position": 2, "executor": {"accepted": 6}}
-    assert resumed.step == 2 and resumed.get_version() == 2
+    assert resumed.step == 2 and resumed.version.value == 2
     assert resumed.scheduler.get_last_lr() == first.scheduler.get_last_lr()
     train(resumed, range(2, 4))
 
-    assert resumed.get_version() == straight.get_version() == 4
+    assert resumed.version.value == straight.version.value == 4
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
     # The weights file is plain safetensors with every tensor of the model's state dict.

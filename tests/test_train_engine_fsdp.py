@@ -63,7 +63,7 @@ def _worker(model_dir: str, out: str) -> None:
     state = engine.full_state_dict()
     if engine.rank == 0:
         torch.save({"state": state, "stats": stats, "logprobs": logprobs,
-                    "version": engine.get_version()}, out)
+                    "step": engine.step}, out)
     torch.distributed.destroy_process_group()
 
 
@@ -93,7 +93,7 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path):
         stats, logprobs = run_steps(single)
     finally:
         torch.set_num_threads(before)
-    assert dist_run["version"] == single.get_version() == STEPS
+    assert dist_run["step"] == single.step == STEPS
     for d, s in zip(dist_run["stats"], stats):
         assert abs(d["train/loss"] - s["train/loss"]) < 1e-5
         assert d["train/loss_tokens"] == s["train/loss_tokens"]

@@ -17,7 +17,8 @@ import pytest
 from safetensors.torch import load_file
 from train_helpers import digit_reward, processes_mentioning
 
-from asyncrl.launch.train import TrainRunConfig, run_train_job
+from asyncrl import Trainer
+from asyncrl.launch.train import TrainRunConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TESTS = Path(__file__).parent
@@ -33,7 +34,7 @@ def small_config(model_dir, out, **over):
         "rollout": {"batch_size": 4, "max_concurrent_rollouts": 8, "max_head_offpolicyness": 1},
         "filter_uniform_groups": False,
         "train": {"optimizer": {"lr": 1e-3, "warmup_steps": 0}},
-        "inference": {"max_num_seqs": 32},
+        "inference": {"engine": {"max_num_seqs": 32}},
         "eval": {"every": 2, "size": 8, "max_new_tokens": 6},
         "logging": {"tensorboard": False, "plot_every": 2},
         "checkpoint_every": 2,
@@ -55,7 +56,7 @@ def test_short_loop_through_two_http_servers(model_dir, tmp_path):
     eta = 1
     cfg = small_config(model_dir, tmp_path / "run", **{"inference.mode": "local",
                                                        "inference.num_servers": 2})
-    result = run_train_job(cfg, reward_fn=digit_reward)
+    result = Trainer(cfg).train(workflow=digit_reward)
     assert result.steps == 3 and result.stopped_by == "total_steps"
     rows = [m for m in metrics(tmp_path / "run") if "reward/mean" in m]
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -80,23 +81,28 @@ def test_short_loop_through_two_http_servers(model_dir, tmp_path):
 
 def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     run = tmp_path / "run"
-    first = run_train_job(small_config(model_dir, run, total_steps=2, checkpoint_every=1,
-                                       **{"inference.weight_sync": "disk"}),
-                          reward_fn=digit_reward)
+    first = Trainer(small_config(model_dir, run, total_steps=2, checkpoint_every=1,
+                                 **{"inference.weight_sync": "disk"})).train(workflow=digit_reward)
     assert first.steps == 2
     # disk sync: each version written as a HF dir, only the newest two kept
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v1", "v2"]
     # the resumed part also runs the KL-to-reference path and pass@k evals
     cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1,
                        **{"actor.ppo.kl_coef": 0.05, "eval.pass_k": [2]})
-    second = run_train_job(cfg, resume_dir=run, reward_fn=digit_reward)
+    second = Trainer(cfg, run_dir=run).train(workflow=digit_reward, resume=True)
     assert second.steps == 4
     late = [m for m in metrics(run) if m["step"] > 2]
     assert any("actor/kl_ref" in m for m in late) and any("eval/pass@2" in m for m in late)
     steps = [m["step"] for m in metrics(run) if "reward/mean" in m]
     assert steps == [1, 2, 3, 4]
     state = json.loads((run / "checkpoints/step_000004/state.json").read_text())
-    assert state["step"] == 4 and state["version"] == 4 and state["data_position"] > 0
+    assert state["step"] == 4 and state["data_position"] > 0
+    # the staleness counters continued across the resume: 4 batches of 4 consumed in all
+    assert state["rollout"]["consumed"] == 16
+    import torch
+    trainer_state = torch.load(run / "checkpoints/step_000004/trainer/trainer.pt",
+                               weights_only=False)
+    assert trainer_state["version"] == 4  # the trainer's engine owns the version
     elapsed = [m["time/elapsed_s"] for m in metrics(run) if "reward/mean" in m]
     assert elapsed == sorted(elapsed)  # the time axis continues across the resume
 
@@ -109,7 +115,7 @@ def _start_train(model_dir, out, *extra):
            "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
            "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
            "filter_uniform_groups=false", "eval.every=0", "logging.tensorboard=false",
-           "checkpoint_every=0", "inference.max_num_seqs=32", *extra]
+           "checkpoint_every=0", "inference.engine.max_num_seqs=32", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
 
@@ -185,8 +191,8 @@ def test_example_configs_validate_and_multi_turn_runs(model_dir, tmp_path):
         f"model.path={model_dir}", f"output_dir={tmp_path / 'mt'}", "total_steps=2",
         "max_train_seconds=null", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
         "rollout.batch_size=2", "rollout.max_concurrent_rollouts=4", "filter_uniform_groups=false",
-        "eval.every=0", "logging.tensorboard=false", "inference.max_num_seqs=16"])
-    result = run_train_job(cfg, reward_fn=digit_reward)
+        "eval.every=0", "logging.tensorboard=false", "inference.engine.max_num_seqs=16"])
+    result = Trainer(cfg).train(workflow=digit_reward)
     assert result.steps == 2
     rows = [m for m in metrics(tmp_path / "mt") if "reward/mean" in m]
     assert [m["batch/samples"] for m in rows] == [4.0, 4.0]  # 2 groups x 2 episodes
@@ -204,7 +210,7 @@ def test_torchrun_two_trainer_ranks(model_dir, tmp_path):
            "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
            "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
            "filter_uniform_groups=false", "eval.every=0", "logging.tensorboard=false",
-           "checkpoint_every=2", "inference.max_num_seqs=32", "torch_threads=1"]
+           "checkpoint_every=2", "inference.engine.max_num_seqs=32", "torch_threads=1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [m for m in metrics(run) if "reward/mean" in m]

@@ -35,9 +35,9 @@ def test_weight_push_makes_engine_logprobs_equal_trainer_logprobs(tmp_path):
                    for r in before]
         for _ in range(2):  # move the trainer's weights well away from the engine's
             trainer.train_batch(samples, sft_token_loss)
-        trainer.set_version(1)
+        trainer.version.advance()
         asyncio.run(engine.update_weights(WeightUpdateMeta.from_tensors(1),
-                                          state_dict=trainer.model.state_dict()))
+                                          trainer.model.state_dict()))
         after = asyncio.run(rollout())
     finally:
         engine.shutdown()

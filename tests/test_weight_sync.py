@@ -1,5 +1,7 @@
-"""Weight sync trainer -> engines: in-process, HTTP buckets, disk, and a gloo broadcast between
-two real processes on 127.0.0.1 (the CPU stand-in for the NCCL path on GPU clusters)."""
+"""Weight sync trainer -> engines through the job's one path (`RolloutEngines.push`, which calls
+`InferenceEngine.update_weights(meta, weights)` on every engine): in process, HTTP buckets and
+disk against a real `asyncrl serve`; and a gloo broadcast between two real processes on 127.0.0.1
+(the CPU stand-in for the NCCL path on GPU clusters)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,16 @@ from asyncrl.api import (
     WeightUpdateKind,
     WeightUpdateMeta,
 )
-from asyncrl.inference.async_engine import AsyncLLMEngine
-from asyncrl.inference.engine import EngineConfig, LLMEngine
+from asyncrl.inference.engine import EngineConfig, EngineSettings, LLMEngine
 from asyncrl.launch.serve import READY_PREFIX
 from asyncrl.models.loading import load_causal_lm, load_tokenizer
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 from asyncrl.train.logprobs import gather_logprobs
-from asyncrl.train.weight_sync import (
+from asyncrl.inference.remote import RemoteEngineConfig
+from asyncrl.launch.rollout_engines import open_rollout_engines
+from asyncrl.launch.train_config import InferenceLaunchConfig
+from asyncrl.models.export import save_weights_dir
+from asyncrl.train.weight_broadcast import (
     DistributedWeightReceiver,
     DistributedWeightSender,
     TensorSpec,
@@ -33,9 +38,6 @@ from asyncrl.train.weight_sync import (
     encode_spec,
     plan_buckets,
     spec_of,
-    sync_in_process,
-    sync_over_http,
-    sync_via_disk,
 )
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -153,24 +155,20 @@ def test_broadcast_from_trainer_to_an_engine_process(model_dir):
 
 # ---- in-process ----------------------------------------------------------------------------
 
-def test_in_process_sync_updates_every_engine(model_dir):
+def test_in_process_push_updates_the_engine(model_dir, tmp_path):
     model = perturbed(model_dir, seed=1)
-    engines = [AsyncLLMEngine(EngineConfig(model_path=model_dir, max_num_seqs=2, max_seq_len=64))
-               for _ in range(2)]
-    try:
-        asyncio.run(sync_in_process(engines, model.state_dict(), version=3))
-        for e in engines:
-            assert e.get_version() == 3
-            # Stop the engine thread before driving its LLMEngine from this thread: an idle
-            # thread still steps, and a request added here could be finished twice.
-            e.shutdown()
-            tokens, logprobs, versions = greedy(e.engine)
-            assert versions == [3] * NEW
-            torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, tokens),
-                                       atol=1e-4, rtol=0)
-    finally:
-        for e in engines:
-            e.shutdown()
+    cfg = InferenceLaunchConfig(engine=EngineSettings(max_num_seqs=2))
+    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
+        e = engines.engine
+        asyncio.run(engines.push(model.state_dict(), 3))
+        assert e.get_version() == 3
+        # Stop the engine thread before driving its LLMEngine from this thread: an idle
+        # thread still steps, and a request added here could be finished twice.
+        e.shutdown()
+        tokens, logprobs, versions = greedy(e.engine)
+        assert versions == [3] * NEW
+        torch.testing.assert_close(torch.tensor(logprobs), trainer_logprobs(model, tokens),
+                                   atol=1e-4, rtol=0)
 
 
 # ---- HTTP buckets and disk, against a real server ------------------------------------------
@@ -198,22 +196,21 @@ def server_greedy(url: str) -> dict:
     return httpx.post(url + "/generate", json=body, timeout=60).json()
 
 
-def test_http_and_disk_sync_reach_the_server(server, model_dir, tmp_path):
-    model = perturbed(model_dir, seed=2)
-    replies = sync_over_http([server], model.state_dict(), version=4, bucket_bytes=50_000,
-                             api_key=KEY)
-    assert replies[0]["version"] == 4
-    got = server_greedy(server)
-    assert got["output_versions"] == [4] * NEW
-    torch.testing.assert_close(torch.tensor(got["output_logprobs"]),
-                               trainer_logprobs(model, got["output_tokens"]), atol=1e-4, rtol=0)
+@pytest.mark.parametrize("kind, version", [("tensors", 4), ("disk", 5)])
+def test_http_and_disk_push_reach_the_server(server, model_dir, tmp_path, kind, version):
+    model = perturbed(model_dir, seed=version)
+    cfg = InferenceLaunchConfig(mode="remote", weight_sync=kind, bucket_bytes=1 << 16,
+                                remote=RemoteEngineConfig(addresses=[server], api_key=KEY))
 
-    model = perturbed(model_dir, seed=3)
-    replies = sync_via_disk([server], model, tmp_path / "v5", version=5,
-                            tokenizer=load_tokenizer(model_dir), api_key=KEY)
-    assert replies[0]["version"] == 5 and (tmp_path / "v5" / "config.json").is_file()
+    async def push(engines):
+        await engines.push(model.state_dict(), version, model.config, load_tokenizer(model_dir))
+        await engines.engine.aclose()
+
+    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
+        asyncio.run(push(engines))
+    assert (tmp_path / "weights" / f"v{version}" / "config.json").is_file() == (kind == "disk")
     got = server_greedy(server)
-    assert got["output_versions"] == [5] * NEW
+    assert got["output_versions"] == [version] * NEW
     torch.testing.assert_close(torch.tensor(got["output_logprobs"]),
                                trainer_logprobs(model, got["output_tokens"]), atol=1e-4, rtol=0)
 
@@ -226,10 +223,8 @@ def test_state_dict_dirs_reload_the_exact_tokenizer(model_dir, tmp_path):
 
     from asyncrl.models.loading import load_tokenizer
     from asyncrl.models.tokenizer import build_char_tokenizer
-    from asyncrl.train.weight_sync import save_state_dict_dir
-
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    out = save_state_dict_dir(model.state_dict(), model.config, tmp_path / "ckpt",
+    out = save_weights_dir(model.state_dict(), model.config, tmp_path / "ckpt",
                               tokenizer=load_tokenizer(model_dir))
     text = 'a b <tool_call>{"name": "calc"}</tool_call><|im_end|>'
     assert load_tokenizer(out).encode(text) == build_char_tokenizer().encode(text)

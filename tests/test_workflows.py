@@ -9,12 +9,12 @@ from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.models.chat import render_chat
 from asyncrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from asyncrl.reward.call import answer_reward
 from asyncrl.reward.exact import exact_answer_reward
 from asyncrl.rollout.agent_env import AgentEnvConfig, AgentEnvWorkflow
 from asyncrl.rollout.arithmetic_env import ArithmeticEnv, ChatAgent
 from asyncrl.rollout.executor import RolloutConfig, WorkflowExecutor
 from asyncrl.rollout.multi_turn import MultiTurnConfig, MultiTurnWorkflow
-from asyncrl.rollout.reward_call import answer_reward
 from asyncrl.rollout.rlvr import RLVRWorkflow
 
 TOK = build_char_tokenizer()

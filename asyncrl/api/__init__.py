@@ -10,12 +10,17 @@ from asyncrl.api.protocols import (
     AgentAction,
     AgentProgram,
     Environment,
+    EvalReport,
+    Evaluator,
     InferenceEngine,
+    ReportsMetrics,
     RolloutWorkflow,
     TrainEngine,
 )
+from asyncrl.api.loss import LossInputs, PolicyLoss
 from asyncrl.api.trajectory import PROMPT_VERSION, RolloutStatus, Sample, Trajectory
 from asyncrl.api.validation import check_choice, check_range
+from asyncrl.api.version import PolicyVersion
 from asyncrl.api.weights import WeightUpdateKind, WeightUpdateMeta
 
 __all__ = [
@@ -23,11 +28,17 @@ __all__ = [
     "AgentAction",
     "AgentProgram",
     "Environment",
+    "EvalReport",
+    "Evaluator",
     "GenerationConfig",
     "InferenceEngine",
+    "LossInputs",
     "ModelRequest",
     "ModelResponse",
     "PROMPT_VERSION",
+    "PolicyLoss",
+    "PolicyVersion",
+    "ReportsMetrics",
     "RolloutStatus",
     "RolloutWorkflow",
     "Sample",

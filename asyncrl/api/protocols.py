@@ -6,12 +6,14 @@ test double are interchangeable without sharing a base class.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat, runtime_checkable
 
 from asyncrl.api.generation import ModelRequest, ModelResponse
+from asyncrl.api.loss import PolicyLoss
 from asyncrl.api.trajectory import Sample, Trajectory
+from asyncrl.api.version import PolicyVersion
 from asyncrl.api.weights import WeightUpdateMeta
 
 if TYPE_CHECKING:  # keep `import asyncrl.api` free of torch and gymnasium
@@ -32,27 +34,29 @@ class InferenceEngine(Protocol):
 
     def resume(self) -> None: ...
 
-    async def update_weights(self, meta: WeightUpdateMeta) -> None:
-        """Load new weights and set the engine's version to `meta.version` atomically."""
+    async def update_weights(self, meta: WeightUpdateMeta,
+                             weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Load new weights and set the engine's version to `meta.version` atomically.
 
-
-LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+        `meta.kind` says how they travel: DISK reads `meta.path` (no `weights`); TENSORS takes
+        `weights` (full HF-named tensors: in memory in process, streamed in buckets over HTTP)."""
 
 
 @runtime_checkable
 class TrainEngine(Protocol):
     """Owns a trainable model (policy, reference or critic) and its optimizer."""
 
-    def train_batch(self, samples: list[Sample], loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over `samples` (packed into micro-batches internally); `loss_fn`
-        gets per-token logprobs, the micro-batch tensors and the global token normaliser."""
+    version: PolicyVersion  # of the weights it trains; the policy update advances it
+
+    def train_batch(self, samples: list[Sample], loss: PolicyLoss,
+                    token_data: Mapping[str, list[torch.Tensor]] | None = None,
+                    ) -> dict[str, float]:
+        """One optimizer step over `samples` (packed into micro-batches internally); `loss` gets
+        per-token logprobs, the micro-batch's `LossInputs` (with `token_data` packed alongside)
+        and the global token normaliser."""
 
     def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-token logprobs of each sample (proximal / reference policy), without gradients."""
-
-    def get_version(self) -> int: ...
-
-    def set_version(self, version: int) -> None: ...
 
     def save(self, path: str) -> None: ...
 
@@ -67,6 +71,33 @@ class RolloutWorkflow(Protocol):
         self, engine: InferenceEngine, data: dict[str, Any]
     ) -> Trajectory | None:
         """Return None to reject the episode (it is counted, not trained on)."""
+
+
+@dataclass
+class EvalReport:
+    """What one evaluation found: `score` is the headline (higher is better) that the run's
+    result and curve record; `metrics` are logged as they are (name them `eval/...`)."""
+
+    score: float
+    name: str = "reward"  # what `score` is, for the console: "greedy accuracy", "agent reward"
+    metrics: dict[str, float] = field(default_factory=dict)
+    detail: str = ""  # the rest of the console line, e.g. ", pass@8 61.2%"
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """Scores the current policy on held-out rows. A workflow that has this method brings its
+    own evaluation; otherwise the trainer runs the workflow once per row and averages rewards."""
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
+        ...
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    """A workflow with `metrics()` has them logged after every training step."""
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 @runtime_checkable

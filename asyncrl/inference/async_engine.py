@@ -128,19 +128,18 @@ class AsyncLLMEngine:
         return self._submit(run).result()
 
     async def update_weights(
-        self, meta: WeightUpdateMeta, state_dict: Mapping[str, torch.Tensor] | None = None
+        self, meta: WeightUpdateMeta, weights: Mapping[str, torch.Tensor] | None = None
     ) -> None:
         """Load new weights and set the version to `meta.version` between two steps.
 
         DISK reads `meta.path` on a worker thread (the engine keeps generating meanwhile);
-        TENSORS takes the in-process `state_dict` (HF parameter names).
+        TENSORS takes `weights` in memory (HF parameter names).
         """
         if meta.kind == WeightUpdateKind.DISK:
             weights = await asyncio.to_thread(lambda: list(iter_safetensors(meta.path)))
         elif meta.kind == WeightUpdateKind.TENSORS:
-            if state_dict is None:
-                raise ValueError("update_weights(kind=tensors) needs the `state_dict` argument")
-            weights = state_dict
+            if weights is None:
+                raise ValueError("update_weights(kind=tensors) needs the `weights` argument")
         else:
             raise ValueError(
                 f"kind={meta.kind.value!r} is not supported by the in-process engine; "

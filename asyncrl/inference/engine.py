@@ -11,6 +11,7 @@ what the new policy would produce for that prefix.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
@@ -33,8 +34,10 @@ from asyncrl.inference.sampler import Sampler
 from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence
 
 
-class EngineConfig(Config):
-    model_path: str
+class EngineSettings(Config):
+    """How the built-in engine runs, whatever model it serves: `asyncrl serve`'s `engine.*`,
+    a training job's `inference.engine` (in process, and for the servers it starts)."""
+
     max_num_seqs: int = pydantic.Field(64, ge=1)  # KV cache slots = concurrently running sequences
     max_seq_len: int | None = pydantic.Field(None, ge=2)  # context length; None: the model's
     # Memory cap for the KV cache; the slot count is min(max_num_seqs, budget // bytes per slot).
@@ -52,6 +55,14 @@ class EngineConfig(Config):
     # keeps its own count); torch ops use the process-wide count, which `asyncrl serve` sets to
     # this. None: torch's count.
     num_threads: int | None = pydantic.Field(None, ge=1)
+
+
+class EngineConfig(EngineSettings):
+    model_path: str
+
+    @classmethod
+    def of(cls, model_path: str | Path, settings: EngineSettings) -> EngineConfig:
+        return cls(model_path=str(model_path), **settings.model_dump())
 
 
 class LLMEngine:

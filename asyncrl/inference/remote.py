@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Self
 
 import httpx
@@ -135,8 +135,7 @@ class RemoteInferenceEngine:
             self._gate.open()  # a server that failed to resume is retried around, not waited on
 
     async def update_weights(
-        self, meta: WeightUpdateMeta,
-        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        self, meta: WeightUpdateMeta, weights: Mapping[str, Any] | None = None,
     ) -> None:
         """Load `meta.version` on every server: DISK by path, TENSORS pushed in buckets; then
         each server must report `meta.version` on its health route before this returns.
@@ -145,7 +144,7 @@ class RemoteInferenceEngine:
         finds it at this version (servers that report one; the next update is sent to it too);
         a server that answers with an error, or reports another version afterwards, fails the call.
         """
-        jobs = self._weight_jobs(meta, named_tensors)
+        jobs = self._weight_jobs(meta, weights)
         results = await asyncio.gather(*jobs.values(), return_exceptions=True)
         errors, updated = [], 0
         for server, result in zip(jobs, results):
@@ -378,7 +377,8 @@ class RemoteInferenceEngine:
         if errors:
             raise RuntimeError("; ".join(errors))
 
-    def _weight_jobs(self, meta: WeightUpdateMeta, named_tensors: Any) -> dict[ServerState, Any]:
+    def _weight_jobs(self, meta: WeightUpdateMeta, weights: Mapping[str, Any] | None
+                     ) -> dict[ServerState, Any]:
         servers = self.pool.servers
         if meta.kind == WeightUpdateKind.DISK:
             calls = self.backend.disk_update_calls(meta.path, meta.version)
@@ -390,12 +390,11 @@ class RemoteInferenceEngine:
             if not self.backend.supports_tensor_push:
                 raise ValueError(f"kind=tensors is not supported by backend={self.backend.name!r}; "
                                  f"allowed: {WeightUpdateKind.DISK.value}")
-            if named_tensors is None:
-                raise ValueError("update_weights(kind=tensors) needs the `named_tensors` argument")
+            if weights is None:
+                raise ValueError("update_weights(kind=tensors) needs the `weights` argument")
             from asyncrl.inference.weight_buckets import push_weights_over_http
 
-            items = list(named_tensors.items() if isinstance(named_tensors, Mapping)
-                         else named_tensors)
+            items = list(weights.items())
 
             async def push(server: ServerState) -> None:
                 await asyncio.to_thread(push_weights_over_http, server.address, items,

@@ -177,7 +177,7 @@ def add_control_routes(app: FastAPI, engine: AsyncLLMEngine, auth: Any) -> None:
             return {"staged_tensors": staged, "version": engine.get_version()}
         new_version, tensors = staging.take()
         meta = WeightUpdateMeta(kind=WeightUpdateKind.TENSORS, version=new_version)
-        await engine.update_weights(meta, state_dict=tensors)
+        await engine.update_weights(meta, tensors)
         return {"staged_tensors": staged, "version": engine.get_version()}
 
 

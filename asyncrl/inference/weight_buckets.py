@@ -14,20 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-
-def without_tied_aliases(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor once: tied weights (lm_head = embed_tokens) are one tensor under two names,
-    which safetensors refuses to store twice; HF checkpoints of tied models hold the first name
-    only, and loaders re-tie from the config."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    for name, tensor in named_tensors:
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
-        yield name, tensor
+from asyncrl.models.export import without_tied_aliases
 
 
 def iter_buckets(

@@ -1,8 +1,11 @@
 """The rollout side of a training job: which InferenceEngine, and how new weights reach it.
 
 `open_rollout_engines(cfg, model_dir, log_dir)` yields `RolloutEngines`: `.engine` (the
-InferenceEngine the executor drives) and `.push(state_dict, version)` (a coroutine run on the
-executor's event loop). In process, the update is applied between two engine steps and sequences
+InferenceEngine the executor drives) and `.push(weights, version)` (a coroutine run on the
+executor's event loop), the job's one way to deliver weights: every engine takes them through
+`InferenceEngine.update_weights(meta, weights)`. `.version` is the version every engine serves:
+the push advances it once all of them have the new weights, and the executor follows it (its
+staleness bound counts served versions; the trainer's own version runs ahead during a push). In process, the update is applied between two engine steps and sequences
 in flight continue under the new weights. Over HTTP the client pauses the servers (requests in
 flight come back partial and are continued after the update, so one sequence may hold tokens of
 two versions), streams the weights in buckets or has the servers load a directory, checks that
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.api import InferenceEngine, WeightUpdateMeta
+from asyncrl.api import InferenceEngine, PolicyVersion, WeightUpdateMeta
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck
 
@@ -32,38 +35,39 @@ from asyncrl.launch.weight_check import LogprobCheck
 class RolloutEngines:
     def __init__(self, engine: InferenceEngine, cfg: InferenceLaunchConfig, remote: bool,
                  weights_dir: Path, urls: list[str] | None = None,
-                 untie: bool = False, servers: Any = None) -> None:
+                 untie: bool = False, servers: Any = None, version: int = 0) -> None:
         self.engine, self.cfg, self.remote = engine, cfg, remote
+        self.version = PolicyVersion(version)  # served by every engine; only `push` moves it
         self.weights_dir, self.urls = weights_dir, urls or []
         self.untie = untie  # disk updates write an output head of their own
         self.servers = servers  # LocalServers, when this job started them
         self.check: LogprobCheck | None = None  # attached by the job (it needs the trainer)
         self._updates = 0
 
-    async def push(self, state_dict: Mapping[str, torch.Tensor], version: int,
+    async def push(self, weights: Mapping[str, torch.Tensor], version: int,
                    hf_config: Any = None, tokenizer: Any = None) -> dict[str, float]:
         """Every engine serves `version` when this returns (disk sync needs `hf_config`).
         Returns the logprob check's metrics when one ran."""
+        sent: Mapping[str, torch.Tensor] | None = weights
         if self.cfg.sync_kind == "disk":
-            from asyncrl.train.weight_sync import save_state_dict_dir
+            from asyncrl.models.export import save_weights_dir
 
-            path = save_state_dict_dir(state_dict, hf_config, self.weights_dir / f"v{version}",
-                                       tokenizer, untie=self.untie)
+            path = save_weights_dir(weights, hf_config, self.weights_dir / f"v{version}",
+                                    tokenizer, untie=self.untie)
             _remove_older(self.weights_dir, version)
-            meta = WeightUpdateMeta.from_disk(str(path), version)
-            payload: dict[str, Any] = {}
+            meta, sent = WeightUpdateMeta.from_disk(str(path), version), None
         else:
             meta = WeightUpdateMeta.from_tensors(version, self.cfg.bucket_bytes)
-            payload = ({"named_tensors": state_dict} if self.remote
-                       else {"state_dict": state_dict})
         if not self.remote:
-            await self.engine.update_weights(meta, **payload)
+            await self.engine.update_weights(meta, sent)
+            self.version.set(version)
             return {}
         self.engine.pause()
         try:
-            await self.engine.update_weights(meta, **payload)
+            await self.engine.update_weights(meta, sent)
         finally:
             self.engine.resume()
+        self.version.set(version)
         self._updates += 1
         every = self.cfg.check_logprobs_every
         if self.check is not None and every and self._updates % every == 0:
@@ -89,17 +93,17 @@ def _remove_older(weights_dir: Path, version: int) -> None:
 
 @contextlib.contextmanager
 def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_dir: Path,
-                         detokenize: Any = None) -> Iterator[RolloutEngines]:
+                         detokenize: Any = None, version: int = 0) -> Iterator[RolloutEngines]:
+    """`version`: of the weights in `model_dir` (a resumed checkpoint's)."""
     weights_dir = log_dir.parent / "weights"  # disk sync only; created on first use
     if cfg.mode == "inprocess":
         from asyncrl.inference.async_engine import AsyncLLMEngine
         from asyncrl.inference.engine import EngineConfig
 
-        engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_num_seqs=cfg.max_num_seqs,
-                                             dtype=cfg.dtype, num_threads=cfg.num_threads),
-                                detokenize)
+        engine = AsyncLLMEngine(EngineConfig.of(model_dir, cfg.engine), detokenize)
         try:
-            yield RolloutEngines(engine, cfg, remote=False, weights_dir=weights_dir)
+            yield RolloutEngines(engine, cfg, remote=False, weights_dir=weights_dir,
+                                 version=version)
         finally:
             engine.shutdown()
         return
@@ -115,7 +119,7 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
 
             served = str(model_dir)
             if untie:
-                from asyncrl.train.weight_sync import untied_copy
+                from asyncrl.models.export import untied_copy
 
                 served = str(untied_copy(model_dir, log_dir.parent / "served_model"))
             make = partial(_command, cfg, served)
@@ -128,13 +132,13 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
         engine = RemoteInferenceEngine(remote_cfg)
         stack.callback(engine.close)
         yield RolloutEngines(engine, cfg, remote=True, weights_dir=weights_dir,
-                             urls=list(remote_cfg.addresses), untie=untie, servers=servers)
+                             urls=list(remote_cfg.addresses), untie=untie, servers=servers,
+                             version=version)
 
 
 def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str) -> Any:
     from asyncrl.launch.server_commands import server_command
 
     return server_command(cfg.server_backend, model_dir, python=cfg.server_python,
-                          max_num_seqs=cfg.max_num_seqs, dtype=cfg.dtype,
-                          num_threads=cfg.num_threads, api_key=api_key,
+                          engine=cfg.engine, api_key=api_key,
                           extra_args=cfg.server_args)

@@ -2,44 +2,68 @@
 
 `policy/` is a plain HF model directory (weights + tokenizer) that `asyncrl eval`, `asyncrl serve`
 or vLLM load directly; `trainer/` holds the full training state (weights, optimizer, LR schedule,
-RNG); `state.json` the loop's own position (step, data position, elapsed time). A checkpoint is
+RNG, the policy version); `state.json` the loop's own position (step, data position, elapsed
+time) and the rollout side's staleness counters. A checkpoint is
 written under a hidden name and renamed into place, then `latest` is updated, so a crash mid-write
 never leaves a checkpoint that looks complete.
+
+This module owns that layout: saving and resuming (`latest_checkpoint`) as well as finding the
+policy that `asyncrl eval` loads (`find_policy_dir`) go through the names below.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncrl.errors import UserError
 
 CHECKPOINTS = "checkpoints"
-LATEST = "latest"
+LATEST = "latest"  # a file in CHECKPOINTS holding the newest step directory's name
+POLICY = "policy"
+STATE = "state.json"
+STEP_NAME = re.compile(r"step_(\d+)")
 
 
 @dataclass
 class LoopState:
     step: int
-    version: int
     data_position: int
     train_seconds: float  # training wall time so far (evals and checkpoints excluded)
     wall_seconds: float
+    rollout: dict[str, Any] = field(default_factory=dict)  # WorkflowExecutor.state_dict()
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step_{step:06d}"
 
 
+def step_dirs(checkpoints: Path) -> list[Path]:
+    """The step_NNNNNN directories under `checkpoints`, oldest first; half-written saves
+    (`.step_NNNNNN.tmp`) are not among them."""
+    if not checkpoints.is_dir():
+        return []
+    steps = [(int(m.group(1)), d) for d in checkpoints.iterdir()
+             if d.is_dir() and (m := STEP_NAME.fullmatch(d.name))]
+    return [d for _, d in sorted(steps)]
+
+
+def read_latest(checkpoints: Path) -> str | None:
+    """The name the `latest` file holds ("" when empty), or None when there is no such file."""
+    marker = checkpoints / LATEST
+    return marker.read_text().strip() if marker.is_file() else None
+
+
 def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer: Any,
                         keep: int) -> Path:
     """Every trainer rank calls this (the weights are gathered and saved collectively);
     rank 0 writes the files."""
-    from asyncrl.train.weight_sync import save_state_dict_dir
+    from asyncrl.models.export import save_weights_dir
 
     final = step_dir(run_dir, state.step)
     tmp = final.parent / f".{final.name}.tmp"
@@ -49,11 +73,11 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_state_dict_dir(weights, trainer.model.config, tmp / "policy", tokenizer)
+        save_weights_dir(weights, trainer.model.config, tmp / POLICY, tokenizer)
     trainer.save(tmp / "trainer", extra_state={"loop": asdict(state)})
     if not writer:
         return final
-    (tmp / "state.json").write_text(json.dumps(asdict(state), indent=2))
+    (tmp / STATE).write_text(json.dumps(asdict(state), indent=2))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -67,24 +91,66 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
 def _prune(checkpoints: Path, keep: int) -> None:
     if keep <= 0:
         return
-    steps = sorted(p for p in checkpoints.glob("step_*") if p.is_dir())
-    for old in steps[:-keep]:
+    for old in step_dirs(checkpoints)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint `--resume` continues from: the one `latest` names, else the newest complete
+    one (a resume should go on from what is there rather than stop at a stale `latest`)."""
     checkpoints = run_dir / CHECKPOINTS
-    marker = checkpoints / LATEST
-    if marker.is_file():
-        path = checkpoints / marker.read_text().strip()
-        if (path / "state.json").is_file():
+    name = read_latest(checkpoints)
+    named = [checkpoints / name] if name else []
+    for path in [*named, *reversed(step_dirs(checkpoints))]:
+        if (path / STATE).is_file():
             return path
-    steps = sorted(p for p in checkpoints.glob("step_*") if (p / "state.json").is_file())
-    if not steps:
-        raise UserError(f"--resume {run_dir}: no checkpoint found under {checkpoints} "
-                        "(expected step_NNNNNN/ directories written by asyncrl train)")
-    return steps[-1]
+    raise UserError(f"--resume {run_dir}: no checkpoint found under {checkpoints} "
+                    "(expected step_NNNNNN/ directories written by asyncrl train)")
 
 
 def load_loop_state(ckpt: Path) -> LoopState:
-    return LoopState(**json.loads((ckpt / "state.json").read_text()))
+    state = json.loads((ckpt / STATE).read_text())
+    state.pop("version", None)  # written by earlier releases; the trainer's state holds it
+    return LoopState(**state)
+
+
+def _is_model_dir(p: Path) -> bool:
+    return (p / "config.json").is_file()
+
+
+def latest_step_dir(checkpoints: Path) -> Path | None:
+    """The step directory `latest` names, else the highest step_NNNNNN; None when there is none.
+    A `latest` naming no directory is a UserError: the user pointed at it and should know."""
+    name = read_latest(checkpoints)
+    if name is None:
+        steps = step_dirs(checkpoints)
+        return steps[-1] if steps else None
+    target = checkpoints / name  # an absolute path in the file stays absolute
+    if not name or not target.is_dir():
+        raise UserError(f"{checkpoints / LATEST} names {name!r}, which is not a directory under "
+                        f"{checkpoints}")
+    return target
+
+
+def find_policy_dir(path: str | Path) -> Path:
+    """The HF model directory inside `path`: `path` itself (config.json), a training checkpoint's
+    `policy/`, or a run directory's latest `checkpoints/step_NNNNNN/policy/`."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"checkpoint {p} not found; expected a HF model dir, a checkpoint dir "
+                        "(policy/) or a run dir (checkpoints/step_NNNNNN/)")
+    if _is_model_dir(p):
+        return p
+    if _is_model_dir(p / POLICY):
+        return p / POLICY
+    checkpoints = p / CHECKPOINTS
+    if checkpoints.is_dir():
+        step = latest_step_dir(checkpoints)
+        if step is not None:
+            if _is_model_dir(step / POLICY):
+                return step / POLICY
+            raise UserError(f"checkpoint {step} has no policy/config.json; expected the HF "
+                            "model directory the train loop writes there")
+    raise UserError(f"{p} is not a model or checkpoint: looked for {p}/config.json (HF model "
+                    f"dir), {p}/policy/config.json (checkpoint) and {p}/checkpoints/"
+                    "step_NNNNNN/policy/config.json (run dir)")

@@ -16,10 +16,13 @@ so it usually lives in a virtual environment of its own.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 from dataclasses import dataclass, field
+
+from asyncrl.inference.engine import EngineSettings
 
 READY_PREFIX = "asyncrl serve: listening on "  # `asyncrl serve --port 0` prints it, then the URL
 
@@ -47,15 +50,17 @@ def _cuda_available() -> bool:
 
 
 def server_command(backend: str, model_dir: str, *, python: str | None = None,
-                   max_num_seqs: int = 256, dtype: str = "float32",
-                   num_threads: int | None = None, api_key: str | None = None,
+                   engine: EngineSettings | None = None, api_key: str | None = None,
                    extra_args: list[str] | None = None) -> ServerCommand:
+    """`engine`: the settings every backend gets; an asyncrl server takes all of them (as its
+    `engine.*` options), vLLM and SGLang their max_num_seqs, dtype and num_threads."""
     python = python or sys.executable
     extra = list(extra_args or [])
+    engine = engine or EngineSettings()
+    max_num_seqs, dtype, num_threads = engine.max_num_seqs, engine.dtype, engine.num_threads
     if backend == "asyncrl":
-        overrides = [f"engine.max_num_seqs={max_num_seqs}", f"engine.dtype={dtype}"]
-        if num_threads:
-            overrides.append(f"engine.num_threads={num_threads}")
+        overrides = [f"engine.{k}={json.dumps(v)}"
+                     for k, v in engine.model_dump(mode="json", exclude_defaults=True).items()]
         # the key travels in the environment, not argv (visible to every user in `ps`)
         env = {"ASYNCRL_SERVER_API_KEY": api_key} if api_key else {}
         return ServerCommand([python, "-m", "asyncrl.cli", "serve", "--model", model_dir,

@@ -1,15 +1,20 @@
-"""`asyncrl train`: the asynchronous GRPO/PPO loop, end to end.
+"""`asyncrl train` and `Trainer`: the asynchronous GRPO/PPO loop, end to end.
 
+    Trainer(config).train(workflow=..., eval_workflow=..., loss=...)
     engines generate continuously (executor, staleness bound eta)
     loop:  batch = prepare_batch()            oldest first, never staler than eta
            actor.train_step(batch)            [ref logprobs] -> [proximal] -> advantages -> PPO
            push weights, version + 1          in-flight sequences continue under new weights
            eval every K / checkpoint every K / log, plot, progress
 
+The workflow is anything `launch/workflows.py` resolves (a RolloutWorkflow, an agent, a reward
+function, a dotted path, or the config's); the loop only talks to it through protocols: its
+episodes, its `aevaluate` (api.Evaluator), its `metrics()` (api.ReportsMetrics) and `aclose`.
+
 Ctrl-C (or SIGTERM) asks the loop to stop after the current step: it writes a checkpoint and
 shuts everything down (server processes included); a second Ctrl-C stops at once. `--resume RUN`
-continues from the run's latest checkpoint: weights, optimizer, LR schedule, RNG, data position,
-elapsed time, and the metrics curve.
+continues from the run's latest checkpoint: weights, optimizer, LR schedule, RNG, policy version,
+data position, staleness counters, elapsed time, and the metrics curve.
 """
 
 from __future__ import annotations
@@ -28,18 +33,14 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from asyncrl.launch.agent_job import build_agent_workflow, evaluate_agent
+from asyncrl.api import Evaluator, PolicyLoss, ReportsMetrics, RolloutWorkflow
 from asyncrl.launch.data_stream import DataStream
-from asyncrl.launch.evaluate import EvalResult, evaluate
 from asyncrl.launch.progress import TrainProgress
-from asyncrl.launch.rewards import open_reward
 from asyncrl.launch.rollout_engines import RolloutEngines, open_rollout_engines
-from asyncrl.launch.weight_check import LogprobCheck
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
 from asyncrl.launch.run_checkpoints import LoopState, latest_checkpoint, load_loop_state
 from asyncrl.launch.run_logger import RunLogger
-from asyncrl.launch.train_config import (AgentWorkflowConfig, MultiTurnWorkflowConfig,
-                                         TrainRunConfig)
+from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.trainer_group import (
     TrainerGroup,
     broadcast,
@@ -48,12 +49,12 @@ from asyncrl.launch.trainer_group import (
     load_engine,
     rank,
 )
+from asyncrl.launch.weight_check import LogprobCheck
+from asyncrl.launch.workflows import (WorkflowContext, resolve_evaluator, resolve_loss,
+                                      resolve_workflow)
 from asyncrl.models.loading import load_tokenizer
+from asyncrl.reward.registry import open_reward
 from asyncrl.rollout.executor import WorkflowExecutor
-from asyncrl.rollout.group import GroupedWorkflow
-from asyncrl.rollout.multi_turn import MultiTurnConfig, MultiTurnWorkflow
-from asyncrl.rollout.reward_call import RewardFn
-from asyncrl.rollout.rlvr import RLVRWorkflow
 
 CONFIG_FILE = "config.yaml"
 
@@ -110,24 +111,11 @@ def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
                                                           cfg.max_train_seconds)).model_dir)
 
 
-def build_workflow(cfg: TrainRunConfig, reward_fn: Any, tokenizer: Any, engine: Any = None,
-                   agent: Any = None, context_length: int | None = None) -> Any:
-    if isinstance(cfg.workflow, AgentWorkflowConfig):
-        inner = build_agent_workflow(cfg.workflow, agent, engine, tokenizer, context_length)
-        n = cfg.gconfig.n_samples
-        return GroupedWorkflow(inner, n) if n > 1 else inner
-    if isinstance(cfg.workflow, MultiTurnWorkflowConfig):
-        mt = MultiTurnConfig(**cfg.workflow.model_dump(exclude={"kind"}))
-        inner = MultiTurnWorkflow(reward_fn, cfg.gconfig, tokenizer, mt)
-        return GroupedWorkflow(inner, cfg.gconfig.n_samples)
-    return RLVRWorkflow(reward_fn, cfg.gconfig, tokenizer)
-
-
 @contextlib.contextmanager
 def trainer_threads(cfg: TrainRunConfig) -> Iterator[None]:
     """The trainer (and the SFT warm start) use every core of their rank by default; the
     caller's count is restored after. An in-process engine runs its kernels with
-    `inference.num_threads` on its own thread: it generates in short bursts (on the main job
+    `inference.engine.num_threads` on its own thread: it generates in short bursts (on the main job
     ~0.25 s per 128 samples against ~0.5 s of training), so reserving it a core would leave
     that core idle most of the step."""
     before = torch.get_num_threads()
@@ -139,21 +127,59 @@ def trainer_threads(cfg: TrainRunConfig) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-class RLJob:
-    def __init__(self, cfg: TrainRunConfig, run_dir: Path, resume: bool = False,
-                 console: Console | None = None, reward_fn: RewardFn | None = None,
-                 agent: Any = None) -> None:
-        """`reward_fn` (Python callers) replaces the reward named by `cfg.reward`; `agent` (an
-        object with `async def run`, or its class) replaces `workflow.path` of an agent job."""
-        if agent is not None and not isinstance(cfg.workflow, AgentWorkflowConfig):
-            cfg = cfg.model_copy(update={"workflow": AgentWorkflowConfig()})
-        self.cfg, self.run_dir, self.resume = cfg, run_dir, resume
-        self.reward_fn, self.agent = reward_fn, agent
-        self.console = console or Console(stderr=True)
-        self.result = TrainResult(run_dir, 0, 0.0, 0.0, None, None)
+@dataclass
+class _Plugins:
+    """What the caller of `train` passed (objects or dotted paths; None: the config's)."""
 
-    # ---- the loop -----------------------------------------------------------------------------
-    def run(self) -> TrainResult:
+    workflow: Any = None
+    workflow_kwargs: dict[str, Any] | None = None
+    eval_workflow: Any = None
+    loss: Any = None
+
+
+class Trainer:
+    """The asynchronous RL trainer: `Trainer(config).train(workflow=...)`.
+
+    `config`: a TrainRunConfig, a YAML path, or a dict of its fields (with `overrides`, dotted
+    `key=value` strings, on top). `run_dir`: where logs, checkpoints and the resolved config go
+    (default: `config.output_dir`, else runs/<UTC timestamp>).
+    """
+
+    def __init__(self, config: TrainRunConfig | str | Path | dict[str, Any], *,
+                 run_dir: str | Path | None = None, console: Console | None = None,
+                 overrides: list[str] | tuple[str, ...] = ()) -> None:
+        if isinstance(config, (str, Path)):
+            config = TrainRunConfig.load(str(config), list(overrides))
+        elif isinstance(config, dict):
+            config = TrainRunConfig.from_dict(config)
+        elif overrides:
+            config = TrainRunConfig.from_dict(_with_overrides(config.to_dict(), overrides))
+        self.cfg = config
+        self.run_dir = Path(run_dir) if run_dir is not None else (
+            Path(config.output_dir) if config.output_dir else default_run_dir())
+        self.console = console or Console(stderr=True)
+        self.resume = False
+        self.plugins = _Plugins()
+        self.result = TrainResult(self.run_dir, 0, 0.0, 0.0, None, None)
+
+    def train(self, workflow: Any = None, *, eval_workflow: Any = None, loss: Any = None,
+              workflow_kwargs: dict[str, Any] | None = None,
+              resume: bool = False) -> TrainResult:
+        """Train until `total_steps` or `max_train_seconds`, or Ctrl-C; returns the result.
+
+        `workflow`: a RolloutWorkflow (`async def arun_episode(engine, data)`), an agent
+        (`async def run(data, **kw)`), a reward function, or "package.module:Name" (a class or
+        factory called with `workflow_kwargs`); None: the config's `workflow`. `eval_workflow`:
+        the same kinds, for evaluation (None: the workflow's own `aevaluate`, else one episode
+        per held-out row). `loss`: a PolicyLoss object or dotted path (None: `actor.loss`).
+        `resume`: continue `run_dir` from its latest checkpoint.
+        """
+        self.plugins = _Plugins(workflow, workflow_kwargs, eval_workflow, loss)
+        self.resume = resume
+        return self._run()
+
+    # ---- the job --------------------------------------------------------------------------------
+    def _run(self) -> TrainResult:
         """Under torchrun every rank calls this; rank 0 leads, the others follow its trainer."""
         cfg = self.cfg
         if is_distributed():
@@ -189,18 +215,24 @@ class RLJob:
         dataset = cfg.data.build()
         self.eval_rows = dataset.eval_rows()[: cfg.eval.size]
         with contextlib.ExitStack() as stack:
-            reward_fn = stack.enter_context(
-                contextlib.nullcontext(self.reward_fn) if self.reward_fn is not None
-                else open_reward(cfg.reward))
+            reward_fn = stack.enter_context(open_reward(cfg.reward))
             engines = stack.enter_context(open_rollout_engines(
                 cfg.inference, policy_dir, self.run_dir / "logs",
-                lambda ids: tokenizer.decode(ids, skip_special_tokens=True)))
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                version=group.trainer.version.value))
             rollout_cfg = cfg.rollout.model_copy(
                 update={"dump_dir": cfg.rollout.dump_dir or str(self.run_dir / "rollouts")})
-            executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg))
-            executor.set_version(state.version)
+            # the executor follows the version the engines serve (the trainer's, once pushed)
+            executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg,
+                                                            engines.version))
+            if self.resume:
+                executor.load_state_dict(state.rollout)
+            ctx = WorkflowContext(cfg, tokenizer, engines.engine, reward_fn, getattr(
+                group.trainer.model.config, "max_position_embeddings", None))
+            workflow = resolve_workflow(self.plugins.workflow, ctx, self.plugins.workflow_kwargs)
+            evaluator = resolve_evaluator(self.plugins.eval_workflow, workflow, ctx)
             engines.check = self._logprob_check(group, tokenizer)
-            executor.run(engines.start_checks(state.version))
+            executor.run(engines.start_checks(group.trainer.version.value))
             stream = DataStream(dataset.train_rows(), cfg.seed, state.data_position)
             logger = stack.enter_context(RunLogger(
                 self.run_dir, cfg.logging, config=cfg.model_dump(mode="json"),
@@ -208,8 +240,8 @@ class RLJob:
             progress = stack.enter_context(TrainProgress(
                 cfg.total_steps, cfg.max_train_seconds, self.console, start_step=state.step))
             stop = stack.enter_context(StopRequest())
-            _Loop(self, state, tokenizer, reward_fn, engines, group, executor, stream, logger,
-                  progress, stop).run()
+            _Loop(self, state, tokenizer, workflow, evaluator, engines, group, executor, stream,
+                  logger, progress, stop).run()
 
     def _logprob_check(self, group: TrainerGroup, tokenizer: Any) -> LogprobCheck | None:
         """The post-update probe: the first eval row's prompt (in-distribution text)."""
@@ -230,7 +262,7 @@ class RLJob:
             state = load_loop_state(ckpt)
             self.console.print(f"resuming {self.run_dir} from {ckpt.name} (step {state.step})")
             return state, ckpt / "policy", ckpt, base
-        return LoopState(0, 0, 0, 0.0, 0.0), base, None, base
+        return LoopState(0, 0, 0.0, 0.0), base, None, base
 
     def _build_trainer(self, policy_dir: Path, tokenizer: Any) -> TrainerGroup:
         cfg = self.cfg
@@ -239,39 +271,46 @@ class RLJob:
         train_cfg = cfg.train.model_copy(update={"total_steps": steps})
         trainer = load_engine(policy_dir, train_cfg, cfg.model.dtype)
         if self.ckpt is not None:
-            trainer.load(self.ckpt / "trainer")
+            trainer.load(self.ckpt / "trainer")  # weights, optimizer, RNG and the version
         ref = None
         if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
             ref = load_engine(self.base, train_cfg.model_copy(update={"trainable": False}),
                               cfg.model.dtype)
-        return TrainerGroup(trainer, cfg.actor, ref, tokenizer)
+        loss: PolicyLoss | None = resolve_loss(self.plugins.loss, cfg)
+        return TrainerGroup(trainer, cfg.actor, ref, tokenizer, loss)
+
+
+def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
+                    ) -> dict[str, Any]:
+    from asyncrl.config import parse_override, set_dotted
+
+    for item in overrides:
+        set_dotted(data, *parse_override(item))
+    return data
 
 
 class _Loop:
     """One run's mutable state; `run` is the loop of the module docstring."""
 
-    def __init__(self, job: RLJob, state: LoopState, tokenizer: Any, reward_fn: Any,
-                 engines: RolloutEngines, group: TrainerGroup, executor: WorkflowExecutor,
-                 stream: DataStream, logger: RunLogger, progress: TrainProgress,
-                 stop: StopRequest) -> None:
+    def __init__(self, job: Trainer, state: LoopState, tokenizer: Any,
+                 workflow: RolloutWorkflow, evaluator: Evaluator, engines: RolloutEngines,
+                 group: TrainerGroup, executor: WorkflowExecutor, stream: DataStream,
+                 logger: RunLogger, progress: TrainProgress, stop: StopRequest) -> None:
         self.job, self.cfg, self.state = job, job.cfg, state
-        self.tokenizer, self.reward_fn, self.engines = tokenizer, reward_fn, engines
+        self.tokenizer, self.engines = tokenizer, engines
+        self.workflow, self.evaluator = workflow, evaluator
         self.group, self.trainer, self.executor = group, group.trainer, executor
         self.stream, self.logger, self.progress, self.stop = stream, logger, progress, stop
         self.monitor = RolloutMonitor(self.cfg.filter_uniform_groups)
-        self.workflow = build_workflow(
-            self.cfg, reward_fn, tokenizer, engines.engine, job.agent,
-            getattr(self.trainer.model.config, "max_position_embeddings", None))
-        inner = getattr(self.workflow, "inner", self.workflow)
-        self.agent = inner if isinstance(self.cfg.workflow, AgentWorkflowConfig) else None
         self.result = job.result
 
     def run(self) -> None:
         try:
             self._run()
-        finally:
-            if self.agent is not None:  # stop the proxy server and the agents' process pool
-                self.executor.run(self.agent.aclose(), timeout=60)
+        finally:  # e.g. an agent workflow's proxy server and process pool
+            close = getattr(self.workflow, "aclose", None)
+            if close is not None:
+                self.executor.run(close(), timeout=60)
 
     def _run(self) -> None:
         cfg, state = self.cfg, self.state
@@ -309,7 +348,8 @@ class _Loop:
         cfg, state = self.cfg, self.state
         if cfg.eval.every and state.step % cfg.eval.every and state.step > 0:
             metrics = self.evaluate_and_log()
-            metrics.update({"time/elapsed_s": state.train_seconds, "policy/version": state.version})
+            metrics.update({"time/elapsed_s": state.train_seconds,
+                            "policy/version": float(self.trainer.version.value)})
             self.logger.log(state.step, metrics, force=True)
         state.wall_seconds = time.perf_counter() - wall0
         if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
@@ -338,25 +378,19 @@ class _Loop:
         if trajs is None:
             return None
         t1 = time.perf_counter()
-        version = self.trainer.get_version()
-        metrics = batch_metrics(trajs, version)
-        metrics.update(self.group.train_step(trajs))
+        metrics = batch_metrics(trajs, self.trainer.version.value)
+        metrics.update(self.group.train_step(trajs))  # advances the trainer's version
         t2 = time.perf_counter()
-        new_version = self.trainer.get_version()
+        new_version = self.trainer.version.value
+        # the engines serve it when this returns; the executor follows `engines.version`
         metrics.update(self.executor.run(self.engines.push(
             self.group.state_dict(), new_version, self.trainer.model.config, self.tokenizer)))
-        self.executor.set_version(new_version)
         t3 = time.perf_counter()
         self.state.step += 1
-        self.state.version = new_version
         self.state.data_position = self.stream.position
         metrics.update(self.monitor.take())
-        if self.agent is not None:
-            metrics.update({f"agent/rejected_{kind}": float(n)
-                            for kind, n in self.agent.rejections.items()})
-            # cumulative: completions, prompts that reused sampled ids, and the token positions
-            # where naive re-rendering would have differed from them (the drift avoided)
-            metrics.update({f"proxy/{k}": float(v) for k, v in self.agent.proxy.routes.stats.items()})
+        if isinstance(self.workflow, ReportsMetrics):
+            metrics.update(self.workflow.metrics())
         stats = self.executor.stats()
         metrics.update({
             "policy/version": float(new_version),
@@ -369,20 +403,10 @@ class _Loop:
         return metrics
 
     def evaluate_and_log(self, initial: bool = False) -> dict[str, float]:
-        cfg = self.cfg
         t0 = time.perf_counter()
-        if self.agent is not None:
-            metrics = self.executor.run(evaluate_agent(
-                self.agent, self.engines.engine, self.job.eval_rows, cfg.eval.concurrency))
-            acc, what, extra = metrics["eval/agent_reward"], "agent reward", (
-                f", tool calls in {metrics['eval/tool_call_frac']:.0%}, "
-                f"rejected {metrics['eval/rejected_frac']:.0%}")
-        else:
-            result: EvalResult = self.executor.run(evaluate(
-                self.engines.engine, self.tokenizer, self.job.eval_rows, self.reward_fn,
-                cfg.eval))
-            metrics, acc, what = result.summary(), result.greedy_accuracy, "greedy accuracy"
-            extra = "".join(f", pass@{k} {v:.1%}" for k, v in result.pass_at_k.items())
+        report = self.executor.run(self.evaluator.aevaluate(self.engines.engine,
+                                                            self.job.eval_rows))
+        metrics, acc = dict(report.metrics), report.score
         step = self.state.step
         self.result.evals.append((step, self.state.train_seconds, acc))
         if initial:
@@ -390,27 +414,16 @@ class _Loop:
             self.logger.log(0, {**metrics, "time/elapsed_s": 0.0, "policy/version": 0.0},
                             force=True)
         self.result.final_accuracy = acc
-        self.progress.message(f"eval at step {step}: {what} {acc:.3g}{extra} "
+        self.progress.message(f"eval at step {step}: {report.name} {acc:.3g}{report.detail} "
                               f"({len(self.job.eval_rows)} held-out problems, "
                               f"{time.perf_counter() - t0:.1f}s)")
         return metrics
 
     def checkpoint(self) -> None:
         self.state.data_position = self.stream.position
+        self.state.rollout = self.executor.state_dict()
         path = self.group.checkpoint(self.job.run_dir, self.state, keep=3)
         self.progress.message(f"checkpoint {path}")
-
-
-def run_train_job(cfg: TrainRunConfig, resume_dir: str | Path | None = None,
-                  console: Console | None = None, reward_fn: RewardFn | None = None,
-                  agent: Any = None) -> TrainResult:
-    """`agent`: an agent object or class for `workflow.kind: agent` (instead of a dotted path)."""
-    if resume_dir is not None:
-        run_dir = Path(resume_dir)
-    else:
-        run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir()
-    return RLJob(cfg, run_dir, resume=resume_dir is not None, console=console,
-                 reward_fn=reward_fn, agent=agent).run()
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig:
@@ -424,4 +437,4 @@ def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig
     return TrainRunConfig.load(str(path), overrides)
 
 
-__all__ = ["RLJob", "TrainResult", "TrainRunConfig", "load_run_config", "run_train_job"]
+__all__ = ["TrainResult", "TrainRunConfig", "Trainer", "load_run_config"]

@@ -6,7 +6,7 @@ With `model.path` unset the job warm-starts the embedded tiny model on the synth
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 
@@ -14,8 +14,9 @@ from asyncrl.api import GenerationConfig
 from asyncrl.config import Config
 from asyncrl.data.arithmetic import ArithmeticTaskConfig
 from asyncrl.data.dataset import DatasetConfig
+from asyncrl.inference.engine import EngineSettings
 from asyncrl.inference.remote import RemoteEngineConfig
-from asyncrl.launch.evaluate import EvalConfig
+from asyncrl.rollout.answer_eval import EvalConfig
 from asyncrl.launch.run_logger import LoggingConfig
 from asyncrl.launch.sft import SFTRunConfig
 from asyncrl.models.loading import ModelConfig
@@ -48,8 +49,20 @@ class AgentWorkflowConfig(AgentConfig):
     kind: Literal["agent"] = "agent"
 
 
-WorkflowConfig = Annotated[RLVRWorkflowConfig | MultiTurnWorkflowConfig | AgentWorkflowConfig,
-                           pydantic.Field(discriminator="kind")]
+class CustomWorkflowConfig(Config):
+    """Your own workflow: `path: package.module:Name` names a class or factory, called with
+    `kwargs` plus whichever of `tokenizer`, `gconfig`, `reward_fn` its signature asks for, or an
+    instance. It must give an object with `async def arun_episode(engine, data)` (a
+    RolloutWorkflow) or an agent (`async def run(data, **kw)`, run through the proxy).
+    `workflow: {path: ..., kwargs: ...}` without a kind means this one."""
+
+    kind: Literal["custom"] = "custom"
+    path: str = pydantic.Field(description="package.module:ClassOrFactory")
+    kwargs: dict[str, Any] = {}
+
+
+WorkflowConfig = Annotated[RLVRWorkflowConfig | MultiTurnWorkflowConfig | AgentWorkflowConfig
+                           | CustomWorkflowConfig, pydantic.Field(discriminator="kind")]
 
 
 class InferenceLaunchConfig(Config):
@@ -74,11 +87,10 @@ class InferenceLaunchConfig(Config):
     num_servers: int = pydantic.Field(1, ge=1)  # local
     server_python: str | None = None  # local vllm/sglang: its python (default: this one)
     server_args: list[str] = []  # local: extra command-line arguments for every server
-    max_num_seqs: int = pydantic.Field(256, ge=1)  # inprocess / local engines
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    num_threads: int | None = pydantic.Field(
-        1, ge=1, description="threads per engine: an inprocess engine's kernels (the trainer "
-        "keeps torch_threads), a local server's whole process")
+    # The engines' own settings (inference/engine.py), for the in-process engine and the servers
+    # this job starts (vLLM / SGLang take max_num_seqs, dtype and num_threads). num_threads: an
+    # in-process engine's kernels (the trainer keeps torch_threads), a server's whole process.
+    engine: EngineSettings = EngineSettings(max_num_seqs=256, num_threads=1)
     startup_timeout_s: float = pydantic.Field(300.0, gt=0)  # local servers
     remote: RemoteEngineConfig | None = None
     weight_sync: Literal["auto", "tensors", "disk"] = "auto"
@@ -148,6 +160,14 @@ class TrainRunConfig(Config):
     output_dir: str | None = None  # None: runs/<UTC timestamp>
     seed: int = 0
     torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: all cores")
+
+    @classmethod
+    def shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """`workflow: {path: ..., kwargs: ...}` with no kind is a custom workflow."""
+        wf = data.get("workflow")
+        if isinstance(wf, dict) and "kind" not in wf and "path" in wf:
+            data = {**data, "workflow": {**wf, "kind": "custom"}}
+        return data
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.api import Sample, Trajectory
+from asyncrl.api import PolicyLoss, Sample, Trajectory
 from asyncrl.launch.run_checkpoints import LoopState, save_run_checkpoint
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
 from asyncrl.train.ppo_actor import PPOActor, PPOActorConfig
@@ -69,9 +69,10 @@ def broadcast(obj: Any) -> Any:
 
 class TrainerGroup:
     def __init__(self, trainer: HFTrainEngine, actor_cfg: PPOActorConfig,
-                 ref: HFTrainEngine | None, tokenizer: Any) -> None:
+                 ref: HFTrainEngine | None, tokenizer: Any, loss: PolicyLoss | None = None) -> None:
+        """`loss`: None for the built-in PPO loss; every rank must be given the same one."""
         self.trainer, self.tokenizer = trainer, tokenizer
-        self.actor = PPOActor(trainer, actor_cfg, ref)
+        self.actor = PPOActor(trainer, actor_cfg, ref, loss)
         self.distributed = is_distributed()
 
     def _command(self, name: str, payload: Any = None) -> None:

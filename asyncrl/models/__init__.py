@@ -21,8 +21,8 @@ from asyncrl.models.tiny import (
     build_tiny_model,
     build_tiny_model_in_memory,
     count_parameters,
-    save_model_dir,
 )
+from asyncrl.models.export import save_model_dir, save_weights_dir, untied_copy
 from asyncrl.models.tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT_TOKEN,
@@ -41,4 +41,5 @@ __all__ = [
     "build_char_tokenizer", "build_tiny_model", "build_tiny_model_in_memory", "cache_root",
     "check_model_dir", "count_parameters", "default_model_dir", "ensure_tiny_model",
     "load_causal_lm", "load_tokenizer", "resolve_model_dir", "save_model_dir", "save_tokenizer",
+    "save_weights_dir", "untied_copy",
 ]

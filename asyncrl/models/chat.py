@@ -1,4 +1,4 @@
-"""Chat-format encoding shared by SFT, rollout workflows and the proxy.
+"""Chat-format encoding shared by SFT, rollout workflows, evaluation and the proxy.
 
 Rendering to text and then encoding without extra special tokens keeps the ids exactly what the
 chat template says (some transformers versions add a BOS when tokenizing inside the template call).
@@ -7,6 +7,20 @@ chat template says (some transformers versions add a BOS when tokenizing inside 
 from __future__ import annotations
 
 from typing import Any
+
+from asyncrl.api import GenerationConfig
+
+
+def stop_at_eos(gconfig: GenerationConfig, tokenizer: Any) -> GenerationConfig:
+    """`gconfig` that also stops at the tokenizer's EOS (a chat model's end of turn).
+
+    The caller's stop ids keep their order and EOS is appended when missing; `gconfig` itself is
+    returned when there is nothing to add. Every backend treats stop ids as a set.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None or eos in gconfig.stop_token_ids:
+        return gconfig
+    return gconfig.replace(stop_token_ids=[*gconfig.stop_token_ids, eos])
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -12,9 +12,8 @@ With the defaults (qwen2, hidden 256, 8 layers, 4 heads / 2 KV heads, MLP 768, v
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import pydantic
 import torch
@@ -29,13 +28,12 @@ from transformers import (
 )
 
 from asyncrl.config import Config
-from asyncrl.models.hf_quiet import quiet_hf_progress
+from asyncrl.models.export import save_model_dir
 from asyncrl.models.tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
     PAD_ID,
     build_char_tokenizer,
-    save_tokenizer,
 )
 
 # Mapping, not an if/elif tower: adding an architecture is one line.
@@ -117,27 +115,6 @@ def build_tiny_model_in_memory(
     )
     model.eval()
     return model, tokenizer
-
-
-def save_model_dir(model: PreTrainedModel, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Save model + tokenizer as a HF directory that transformers 4.x/5.x and vLLM all load.
-
-    transformers 5 writes "dtype" and a nested "rope_parameters"; readers on 4.x (as pinned by many
-    vLLM releases) look for "torch_dtype" and a top-level "rope_theta", so both spellings go in.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with quiet_hf_progress():
-        model.save_pretrained(out, safe_serialization=True)
-    config_file = out / "config.json"
-    config = json.loads(config_file.read_text())
-    config.setdefault("torch_dtype", config.get("dtype"))
-    rope = config.get("rope_parameters") or {}
-    if "rope_theta" in rope:
-        config.setdefault("rope_theta", rope["rope_theta"])
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_tokenizer(tokenizer, out)
-    return out
 
 
 def build_tiny_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:

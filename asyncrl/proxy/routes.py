@@ -17,6 +17,7 @@ from typing import Any
 from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, ModelResponse
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, OpenAISampling
 from asyncrl.inference.openai_routes import FINISH, TextTracker, sse, usage
+from asyncrl.models.chat import stop_at_eos
 from asyncrl.proxy.config import ProxyConfig
 from asyncrl.proxy.prompt_reuse import build_prompt
 from asyncrl.proxy.records import Completion, Session, SessionStatus
@@ -51,11 +52,7 @@ class ProxyRoutes:
     def gconfig(self, body: OpenAISampling, max_new: int) -> GenerationConfig:
         if body.n > self.cfg.max_n:
             raise ValueError(f"n={body.n} is out of range; allowed [1, {self.cfg.max_n}]")
-        g = body.gconfig(max_new)
-        eos = self.tokenizer.eos_token_id
-        if eos is not None and eos not in g.stop_token_ids:
-            g = g.replace(stop_token_ids=[*g.stop_token_ids, eos])
-        return g
+        return stop_at_eos(body.gconfig(max_new), self.tokenizer)
 
     async def generate(self, prompts: list[list[int]], g: GenerationConfig,
                        n: int) -> list[ModelResponse]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from asyncrl.api import Sample
 from asyncrl.proxy.export import ExportStyle, export_session
 from asyncrl.proxy.records import Session, SessionStatus
-from asyncrl.proxy.rewards import discounted_returns, raw_rewards
+from asyncrl.reward.returns import raw_rewards, session_returns
 
 KEY_PREFIX = "sk-asyncrl-"
 
@@ -96,7 +96,7 @@ class SessionStore:
         """The session's samples; the session is removed (its data is handed over once)."""
         session = self.get(sid)
         raw = raw_rewards(session.turns, session.rewards, session.last_reward)
-        returns = discounted_returns(session.turns, raw, turn_discount)
+        returns = session_returns(session.turns, raw, turn_discount)
         samples = export_session(list(session.completions.values()), raw, returns, style)
         self.drop(sid)
         return samples

@@ -6,6 +6,10 @@ raises, returns the wrong type, names unknown completions, makes no completion o
 timeout is a rejected rollout with the reason logged (and counted in `stats`); training goes on.
 The proxy is started lazily on the rollout event loop, so the engine it forwards to is driven from
 the loop that owns its clients; the `engine` argument of `arun_episode` is that same engine.
+
+It brings its own evaluation (`aevaluate`: the agent's mean reward on held-out rows, the share of
+episodes with a well-formed tool call, the rejected share) and metrics (`metrics`: rejections by
+kind and the proxy's counters), which the trainer logs like any workflow's.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from typing import Any
 
-from asyncrl.api import InferenceEngine, Trajectory
+from asyncrl.api import EvalReport, InferenceEngine, Trajectory
 from asyncrl.proxy.agent_runner import AgentRunner, load_agent
 from asyncrl.proxy.config import AgentConfig
 from asyncrl.proxy.server import ProxyServer
@@ -24,8 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class AgentWorkflow:
-    def __init__(self, agent: Any, proxy: ProxyServer, cfg: AgentConfig | None = None) -> None:
+    def __init__(self, agent: Any, proxy: ProxyServer, cfg: AgentConfig | None = None,
+                 eval_concurrency: int = 256) -> None:
         self.cfg = cfg or AgentConfig()
+        self.eval_concurrency = eval_concurrency
         self.agent = load_agent(agent, self.cfg.init_kwargs)
         self.proxy = proxy
         self.runner = AgentRunner(self.agent, self.cfg)
@@ -43,6 +50,10 @@ class AgentWorkflow:
         return self.proxy.base_url
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory | None:
+        return (await self._episode(data))[0]
+
+    async def _episode(self, data: dict[str, Any]) -> tuple[Trajectory | None, float]:
+        """The trajectory (None: rejected) and the agent's reward (a dict's sum; 0 if rejected)."""
         base_url = await self.ensure_started()
         store = self.proxy.store
         session = store.start()
@@ -52,21 +63,23 @@ class AgentWorkflow:
                 result = await self.runner.run(data, base_url, session.api_key)
             except (TimeoutError, asyncio.TimeoutError):
                 return self.reject("timeout", f"agent {name} ran past timeout_s="
-                                   f"{self.cfg.timeout_s}", data)
+                                   f"{self.cfg.timeout_s}", data), 0.0
             except Exception as err:  # boundary: the user's agent failed, the run goes on
-                return self.reject("error", f"agent {name} raised {err!r}", data)
+                return self.reject("error", f"agent {name} raised {err!r}", data), 0.0
             try:
                 store.end(session.id)
                 session.set_reward(result)
                 if not session.completions:
-                    return self.reject("no_completions", f"agent {name} made no completion", data)
+                    return self.reject("no_completions", f"agent {name} made no completion",
+                                       data), 0.0
                 samples = store.export(session.id, self.cfg.export_style, self.cfg.turn_discount)
             except KeyError as err:  # an unknown completion id, or the session expired
-                return self.reject("bad_reward", f"agent {name}'s reward: {err.args[0]}", data)
+                return self.reject("bad_reward", f"agent {name}'s reward: {err.args[0]}",
+                                   data), 0.0
         finally:
             store.drop(session.id)
-        return Trajectory(samples, group_id=str(data.get("id", "")),
-                          metadata={"agent_result": result, "completions": len(samples)})
+        reward = float(sum(result.values())) if isinstance(result, dict) else float(result)
+        return Trajectory(samples, group_id=str(data.get("id", ""))), reward
 
     def reject(self, kind: str, reason: str, data: dict[str, Any]) -> None:
         self.rejections[kind] += 1
@@ -74,6 +87,35 @@ class AgentWorkflow:
         log.log(logging.DEBUG if self.closing else logging.WARNING,
                 "%s on data id=%s; rollout rejected", reason, data.get("id"))
         return None
+
+    def metrics(self) -> dict[str, float]:
+        """Rejections by kind, and the proxy's cumulative counters: completions, prompts that
+        reused sampled ids, and the token positions where naive re-rendering would have differed
+        from them (the drift avoided)."""
+        out = {f"agent/rejected_{kind}": float(n) for kind, n in self.rejections.items()}
+        out.update({f"proxy/{k}": float(v) for k, v in self.proxy.routes.stats.items()})
+        return out
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
+        """One agent run per row, sampling as the agent asks; a rejected run scores 0."""
+        t0 = time.perf_counter()
+        gate = asyncio.Semaphore(self.eval_concurrency)
+
+        async def one(row: dict[str, Any]) -> tuple[Trajectory | None, float]:
+            async with gate:
+                return await self._episode(row)
+
+        runs = await asyncio.gather(*(one(r) for r in rows))
+        n = max(len(runs), 1)
+        used_tools = sum(t is not None and any(s.metadata.get("tool_calls", 0) for s in t.samples)
+                         for t, _ in runs)
+        rejected = sum(t is None for t, _ in runs)
+        metrics = {"eval/agent_reward": sum(r for _, r in runs) / n,
+                   "eval/tool_call_frac": used_tools / n, "eval/rejected_frac": rejected / n,
+                   "eval/num_problems": float(len(runs)),
+                   "eval/seconds": time.perf_counter() - t0}
+        return EvalReport(metrics["eval/agent_reward"], "agent reward", metrics,
+                          f", tool calls in {used_tools / n:.0%}, rejected {rejected / n:.0%}")
 
     async def aclose(self) -> None:
         self.closing = True

@@ -1,4 +1,15 @@
-"""Reward functions: pure functions of (response text, reference), no model or tokenizer."""
+"""Rewards: scoring a completion, and turning per-turn rewards into returns. No model or tokenizer.
+
+- `exact`, `math_verify`, `code`: checks of (response text, reference) -> float.
+- `call`: `RewardFn(completion_text, row)`, sync or async, as workflows and eval call it
+  (`call_reward`), and `answer_reward` adapting a (response, answer) check to it.
+- `registry`: rewards by name for configs and the CLI (`exact`, `digits`, `math`, or a dotted
+  path), each opened as a context manager (`open_reward`).
+- `returns`: discounted returns over turns, shared by multi-turn workflows and proxy sessions.
+- `pool`, `sandbox`, `sandbox_launcher`: running rewards in worker processes / a sandbox.
+
+Importing any of `call`, `registry`, `returns` or this package stays light (no torch).
+"""
 
 from asyncrl.reward.exact import exact_answer_reward, extract_final_answer
 

@@ -15,7 +15,7 @@ import pydantic
 
 from asyncrl.api import Agent, Environment, InferenceEngine, Sample, Trajectory
 from asyncrl.config import Config
-from asyncrl.rollout.multi_turn import discounted_returns
+from asyncrl.reward.returns import discounted_returns
 
 
 class AgentEnvConfig(Config):

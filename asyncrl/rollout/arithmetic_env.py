@@ -12,7 +12,7 @@ from typing import Any, SupportsFloat
 from gymnasium import spaces
 
 from asyncrl.api import AgentAction, GenerationConfig, InferenceEngine, ModelRequest
-from asyncrl.models.chat import encode_chat_prompt
+from asyncrl.models.chat import encode_chat_prompt, stop_at_eos
 from asyncrl.reward.exact import exact_answer_reward
 
 CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n"
@@ -38,9 +38,7 @@ class ArithmeticEnv:
 class ChatAgent:
     def __init__(self, tokenizer: Any, gconfig: GenerationConfig) -> None:
         self.tokenizer = tokenizer
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        self.gconfig = gconfig.replace(n_samples=1, stop_token_ids=sorted(
-            set(gconfig.stop_token_ids) | set(eos)))
+        self.gconfig = stop_at_eos(gconfig.replace(n_samples=1), tokenizer)
         self.messages: list[dict[str, str]] = []
 
     async def reset(self) -> None:

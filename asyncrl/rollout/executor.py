@@ -2,10 +2,13 @@
 bound, and hands the trainer batches of finished trajectories.
 
 The trainer thread calls the synchronous API (`submit`, `wait`, `rollout_batch`, `prepare_batch`,
-`pause`, `resume`, `set_version`); episodes run concurrently on the executor's loop so engines stay
+`pause`, `resume`); episodes run concurrently on the executor's loop so engines stay
 fed while the trainer computes. Trajectories are handed out oldest-start first; one that became
 staler than eta before it was consumed is not trained on: its prompt is queued again, so nothing is
 lost. A workflow that raises is a failed episode with its traceback logged, never a crashed run.
+
+The policy version is read from the trainer's `PolicyVersion` (its owner); the executor subscribes
+so that a new version re-opens the staleness capacity at once.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import pydantic
 
-from asyncrl.api import InferenceEngine, RolloutStatus, RolloutWorkflow, Trajectory
+from asyncrl.api import InferenceEngine, PolicyVersion, RolloutStatus, RolloutWorkflow, Trajectory
 from asyncrl.config import Config
 from asyncrl.rollout.staleness import StalenessManager
 from asyncrl.rollout.trajectory_dump import TrajectoryDump
@@ -56,12 +59,16 @@ class _Done:
 
 
 class WorkflowExecutor:
-    def __init__(self, engine: InferenceEngine, cfg: RolloutConfig) -> None:
+    def __init__(self, engine: InferenceEngine, cfg: RolloutConfig,
+                 version: PolicyVersion | None = None) -> None:
+        """`version`: the trainer's (read here, never written); None: one of its own, for
+        rollouts without a trainer."""
         self.engine, self.cfg = engine, cfg
         self.manager = StalenessManager(cfg.max_concurrent_rollouts, cfg.batch_size,
                                         cfg.max_head_offpolicyness)
         self.dump = TrajectoryDump(cfg.dump_dir) if cfg.dump_dir else None
-        self.version = 0
+        self.policy_version = version if version is not None else PolicyVersion()
+        self.policy_version.subscribe(self._on_new_version)
         self.paused = False
         self._cond = threading.Condition()
         self._pending: deque[_Job] = deque()
@@ -141,9 +148,23 @@ class WorkflowExecutor:
                 raise TimeoutError(f"prepare_batch timed out after {timeout}s; {self.stats()}")
         return self.wait(self.cfg.batch_size)
 
-    def set_version(self, version: int) -> None:
+    @property
+    def version(self) -> int:
+        return self.policy_version.value
+
+    def _on_new_version(self, version: int) -> None:
         with self._cond:
-            self.version = version
+            self._cond.notify_all()  # ready trajectories may have become too stale
+        self._kick()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the rollout side (see StalenessManager.state_dict)."""
+        with self._cond:
+            return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._cond:
+            self.manager.load_state_dict(state)
         self._kick()
 
     def pause(self) -> None:
@@ -172,6 +193,7 @@ class WorkflowExecutor:
         if self._closed:
             return
         self._closed = True
+        self.policy_version.unsubscribe(self._on_new_version)
 
         async def cancel_all() -> None:
             self._scheduler_task.cancel()
@@ -256,5 +278,5 @@ class WorkflowExecutor:
             heapq.heappush(self._done, done)
 
     def _consume(self, done: _Done) -> Trajectory:
-        self.manager.on_consume(done.start_version, self.version)
+        self.manager.on_consume(done.start_version, self.version, counted=done.job.batch is None)
         return done.traj

@@ -4,6 +4,8 @@
 returns one trajectory holding all their samples, so the advantage estimator sees the group.
 An episode that fails or is rejected leaves the group smaller; fewer than `min_size` survivors
 rejects the whole group (a group of one has no baseline).
+
+Evaluation, metrics and closing are the inner workflow's: evaluating runs it once per row.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import asyncio
 import logging
 from typing import Any
 
-from asyncrl.api import InferenceEngine, RolloutWorkflow, Trajectory
+from asyncrl.api import (EvalReport, Evaluator, InferenceEngine, ReportsMetrics, RolloutWorkflow,
+                         Trajectory)
+from asyncrl.rollout.episode_eval import EpisodeEvaluator
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +45,15 @@ class GroupedWorkflow:
         samples = [s for t in trajs for s in t.samples]
         return Trajectory(samples, group_id=str(data.get("id", "")),
                           metadata={"episodes": len(trajs)})
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
+        inner = self.inner if isinstance(self.inner, Evaluator) else EpisodeEvaluator(self.inner)
+        return await inner.aevaluate(engine, rows)
+
+    def metrics(self) -> dict[str, float]:
+        return self.inner.metrics() if isinstance(self.inner, ReportsMetrics) else {}
+
+    async def aclose(self) -> None:
+        close = getattr(self.inner, "aclose", None)
+        if close is not None:
+            await close()

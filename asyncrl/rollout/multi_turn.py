@@ -16,11 +16,14 @@ from typing import Any
 
 import pydantic
 
-from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, Sample, Trajectory
+from asyncrl.api import (EvalReport, GenerationConfig, InferenceEngine, ModelRequest, Sample,
+                         Trajectory)
 from asyncrl.api.trajectory import PROMPT_VERSION
 from asyncrl.config import Config
-from asyncrl.models.chat import encode_chat_prompt, render_chat
-from asyncrl.rollout.reward_call import RewardFn, call_reward
+from asyncrl.models.chat import encode_chat_prompt, render_chat, stop_at_eos
+from asyncrl.reward.call import RewardFn, call_reward
+from asyncrl.reward.returns import discounted_returns
+from asyncrl.rollout.answer_eval import EvalConfig, evaluate
 
 
 class MultiTurnConfig(Config):
@@ -32,21 +35,18 @@ class MultiTurnConfig(Config):
     wrong_feedback: str = "Wrong, try again."
 
 
-def discounted_returns(rewards: list[float], discount: float) -> list[float]:
-    out = list(rewards)
-    for i in reversed(range(len(out) - 1)):
-        out[i] += discount * out[i + 1]
-    return out
-
-
 class MultiTurnWorkflow:
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
-                 cfg: MultiTurnConfig | None = None) -> None:
+                 cfg: MultiTurnConfig | None = None, eval_cfg: EvalConfig | None = None) -> None:
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
         self.cfg = cfg or MultiTurnConfig()
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        self.gconfig = gconfig.replace(
-            n_samples=1, stop_token_ids=sorted(set(gconfig.stop_token_ids) | set(eos)))
+        self.gconfig = stop_at_eos(gconfig.replace(n_samples=1), tokenizer)
+        self.eval_cfg = eval_cfg or EvalConfig()
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
+        """First-answer accuracy (greedy, pass@k): what the retries are trained to raise."""
+        result = await evaluate(engine, self.tokenizer, rows, self.reward_fn, self.eval_cfg)
+        return result.report()
 
     def feedback_ids(self, text: str) -> list[int]:
         rendered = "\n" + render_chat(self.tokenizer, [{"role": "user", "content": text}])

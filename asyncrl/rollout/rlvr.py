@@ -2,6 +2,7 @@
 
 The group's samples are separate engine requests issued together, so the engine batches them and a
 remote client may spread them over servers; they share `group_id` for GRPO-style baselines.
+Its evaluation (`aevaluate`) is answer accuracy: greedy, and pass@k when `eval_cfg` asks for it.
 """
 
 from __future__ import annotations
@@ -9,17 +10,23 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, Sample, Trajectory
-from asyncrl.models.chat import encode_chat_prompt
-from asyncrl.rollout.reward_call import RewardFn, call_reward
+from asyncrl.api import (EvalReport, GenerationConfig, InferenceEngine, ModelRequest, Sample,
+                         Trajectory)
+from asyncrl.models.chat import encode_chat_prompt, stop_at_eos
+from asyncrl.reward.call import RewardFn, call_reward
+from asyncrl.rollout.answer_eval import EvalConfig, evaluate
 
 
 class RLVRWorkflow:
-    def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any) -> None:
+    def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
+                 eval_cfg: EvalConfig | None = None) -> None:
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        self.gconfig = gconfig.replace(
-            stop_token_ids=sorted(set(gconfig.stop_token_ids) | set(eos)))
+        self.gconfig = stop_at_eos(gconfig, tokenizer)
+        self.eval_cfg = eval_cfg or EvalConfig()
+
+    async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
+        result = await evaluate(engine, self.tokenizer, rows, self.reward_fn, self.eval_cfg)
+        return result.report()
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
         prompt = encode_chat_prompt(self.tokenizer, data["messages"])

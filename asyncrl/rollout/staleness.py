@@ -7,12 +7,18 @@ They do not always (a long generation is overtaken by short ones), so the consum
 oldest-started first and drops any that have become staler than eta (`is_too_stale`), which makes
 the bound hold unconditionally; the capacity rule keeps such drops rare. eta = 0 is synchronous RL.
 
+A checkpoint keeps `state_dict()`: the trajectories consumed so far stay counted against the
+budget on resume, so a resumed run admits exactly what an uninterrupted one would with nothing in
+flight (without it the budget restarts at 0 while the version jumps, the capacity rule stays
+inactive and only the drop at consume time keeps the bound, wasting generations).
+
 Plain Python, no asyncio or torch: unit- and property-tested on its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,6 +28,7 @@ class StalenessStats:
     rejected: int = 0
     failed: int = 0
     stale_dropped: int = 0
+    consumed: int = 0
     running: int = 0
     staleness_histogram: dict[int, int] = field(default_factory=dict)  # consumed: v - start_v
 
@@ -70,7 +77,25 @@ class StalenessManager:
         self.stats.stale_dropped += 1
         self._budget_used -= 1
 
-    def on_consume(self, start_version: int, version: int) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """The counters a resumed run continues from. Episodes running or ready now are not in
+        it: a resume starts without them, so the budget it restores is the consumed count."""
+        stats = asdict(self.stats)
+        stats.pop("running")
+        stats["staleness_histogram"] = {str(k): v for k, v in stats["staleness_histogram"].items()}
+        return stats
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.stats.running:
+            raise RuntimeError(f"load_state_dict with {self.stats.running} episodes running; "
+                               "restore before the first rollout starts")
+        hist = {int(k): int(v) for k, v in state.get("staleness_histogram", {}).items()}
+        fields = {k: int(v) for k, v in state.items() if k != "staleness_histogram"}
+        self.stats = StalenessStats(**fields, staleness_histogram=hist)
+        self._budget_used = self.stats.consumed
+
+    def on_consume(self, start_version: int, version: int, counted: bool = True) -> None:
+        self.stats.consumed += counted
         lag = version - start_version
         hist = self.stats.staleness_histogram
         hist[lag] = hist.get(lag, 0) + 1

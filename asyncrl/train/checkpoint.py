@@ -90,7 +90,7 @@ def save_checkpoint(
         "optimizer": optim,
         "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "step": engine.step,
-        "version": engine.get_version(),
+        "version": engine.version.value,
         "rng": rngs,
         "extra_state": dict(extra_state or {}),
     }
@@ -126,7 +126,7 @@ def load_checkpoint(engine: HFTrainEngine, path: str | Path) -> dict[str, Any]:
     if trainer["scheduler"] is not None and engine.scheduler is not None:
         engine.scheduler.load_state_dict(trainer["scheduler"])
     engine.step = trainer["step"]
-    engine.set_version(trainer["version"])
+    engine.version.set(trainer["version"])
     rngs = trainer["rng"]
     if len(rngs) != engine.world_size:
         raise ValueError(f"checkpoint {p} holds RNG states of {len(rngs)} ranks; this run has "

@@ -16,7 +16,6 @@ nothing leaks across a packing boundary.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ class CriticEngine(HFTrainEngine):
     """`HFTrainEngine` whose per-token output is the value (float32, input-aligned).
 
     `forward(samples)` -> one tensor of values per sample; `train_batch(samples, loss_fn,
-    token_data)` -> one optimizer step with `loss_fn(values [N] with grad, tensors, normalizer)`,
+    token_data)` -> one optimizer step with `loss_fn(values [N] with grad, micro_batch, normalizer)`,
     e.g. `critic_token_loss()` with token_data {"returns": ..., "old_values": ...}.
     """
 
@@ -111,13 +110,14 @@ def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:
     """
 
     def loss_fn(
-        values: torch.Tensor, tensors: Mapping[str, torch.Tensor], normalizer: torch.Tensor
+        values: torch.Tensor, mb: PackedMicroBatch, normalizer: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        tensors = mb.tensors
         if "returns" not in tensors:
             raise ValueError("critic loss needs token_data['returns'] (GAE targets per token); "
                              f"got fields {sorted(tensors)}")
         old = tensors.get("old_values", values.detach())
-        return critic_value_loss(values, old, tensors["returns"], tensors["loss_mask"],
+        return critic_value_loss(values, old, tensors["returns"], mb.loss_mask,
                                  normalizer, value_eps_clip=value_eps_clip)
 
     return loss_fn

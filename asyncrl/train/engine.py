@@ -21,6 +21,7 @@ import pydantic
 import torch
 
 from asyncrl.api.trajectory import Sample
+from asyncrl.api.version import PolicyVersion
 from asyncrl.config import Config
 from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.train.losses import sft_loss
@@ -31,6 +32,7 @@ from asyncrl.train.packing import (
     first_fit_decreasing,
     next_token_logprobs_aligned,
     SharedPrefixLayout,
+    TokenData,
     pack_samples,
     padded_layout,
     prefix_units,
@@ -39,11 +41,11 @@ from asyncrl.train.packing import (
     unpack,
 )
 
-# loss_fn(logprobs [N] with grad, micro-batch tensors {name: [N]}, normalizer) -> (loss, stats)
+# loss_fn(logprobs [N] with grad, the packed micro-batch, normalizer) -> (loss, stats); the PPO
+# actor adapts a `PolicyLoss` to it (ppo_actor.py), SFT and the critic use it directly
 MicroBatchLossFn = Callable[
-    [torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"
+    [torch.Tensor, PackedMicroBatch, torch.Tensor], "tuple[torch.Tensor, dict[str, float]]"
 ]
-TokenData = Mapping[str, Sequence[Sequence[float]]]
 
 
 class TrainEngineConfig(Config):
@@ -73,10 +75,10 @@ class TrainEngineConfig(Config):
 
 
 def sft_token_loss(
-    logprobs: torch.Tensor, tensors: Mapping[str, torch.Tensor], normalizer: torch.Tensor
+    logprobs: torch.Tensor, mb: PackedMicroBatch, normalizer: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Cross-entropy on loss_mask tokens, in the micro-batch loss_fn signature."""
-    return sft_loss(logprobs, tensors["loss_mask"], normalizer)
+    return sft_loss(logprobs, mb.loss_mask, normalizer)
 
 
 class HFTrainEngine:
@@ -107,8 +109,10 @@ class HFTrainEngine:
             )
         else:
             self.model.requires_grad_(False)
-        self.step = 0  # optimizer steps taken; drives the LR schedule and checkpoint names
-        self._version = 0
+        self.step = 0  # optimizer steps taken; drives the LR schedule
+        # the policy version of these weights: the owner of the run's version (api/version.py);
+        # an optimizer step does not advance it, a policy update does (PPOActor.train_step)
+        self.version = PolicyVersion()
 
     @classmethod
     def from_pretrained(
@@ -147,14 +151,6 @@ class HFTrainEngine:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     # --- TrainEngine protocol ---------------------------------------------------------------
-    def get_version(self) -> int:
-        return self._version
-
-    def set_version(self, version: int) -> None:
-        if version < 0:
-            raise ValueError(f"version={version} is out of range; allowed [0, inf)")
-        self._version = version
-
     def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
         from asyncrl.train.checkpoint import save_checkpoint
 
@@ -292,7 +288,7 @@ class HFTrainEngine:
             raise ValueError("train_batch needs at least one sample; got an empty batch")
         self.model.train()
         mbs, count = self._plan(samples, token_data)
-        local_tokens = sum(mb.tensors["loss_mask"].sum() for mb in mbs) if mbs else torch.tensor(0)
+        local_tokens = sum(mb.loss_mask.sum() for mb in mbs) if mbs else torch.tensor(0)
         normalizer = self._dist_sum(torch.as_tensor(local_tokens, dtype=torch.float32,
                                                     device=self.device)).clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -303,10 +299,10 @@ class HFTrainEngine:
                 self.packed_logprobs(self._dummy_micro_batch()).sum().mul(0.0).backward()
                 continue
             mb = mbs[k].to(self.device)
-            loss, stats = loss_fn(self.packed_logprobs(mb), mb.tensors, normalizer)
+            loss, stats = loss_fn(self.packed_logprobs(mb), mb, normalizer)
             loss.backward()
             total_loss += loss.detach()
-            w = float(mb.tensors["loss_mask"].sum()) / float(normalizer)
+            w = float(mb.loss_mask.sum()) / float(normalizer)
             for name, value in stats.items():
                 weighted[name] = weighted.get(name, 0.0) + w * value
         return self._finish_step(total_loss, weighted, normalizer, count)
@@ -314,7 +310,7 @@ class HFTrainEngine:
     def _finish_step(
         self, total_loss: torch.Tensor, stats: dict[str, float], normalizer: torch.Tensor, n_mb: int
     ) -> dict[str, float]:
-        """Clip, step optimizer and schedule, bump step/version; token-weighted stats out."""
+        """Clip, step optimizer and schedule, count the step; token-weighted stats out."""
         stats = self._reduce_stats(stats)
         clip = self.cfg.optimizer.grad_clip
         if clip is not None:
@@ -323,7 +319,6 @@ class HFTrainEngine:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        self._version += 1
         stats["train/loss"] = float(self._dist_sum(total_loss))
         stats["train/loss_tokens"] = float(normalizer)
         stats["train/micro_batches"] = float(n_mb)

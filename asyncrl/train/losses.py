@@ -26,6 +26,7 @@ from typing import Literal
 import pydantic
 import torch
 
+from asyncrl.api.loss import LossInputs
 from asyncrl.api.validation import check_range
 from asyncrl.config import Config
 from asyncrl.train.advantages import expand_to_tokens, grpo_advantages
@@ -215,6 +216,20 @@ def ppo_actor_loss(
         loss = loss + cfg.kl_coef * aggregate(kl, loss_mask, normalizer, cfg.loss_agg)
     stats["actor/loss"] = float(loss.detach())
     return loss, stats
+
+
+class PPOLoss:
+    """The built-in `PolicyLoss`: `ppo_actor_loss` on a micro-batch's `LossInputs`
+    (`actor.loss: ppo`, the default)."""
+
+    def __init__(self, cfg: PPOLossConfig | None = None) -> None:
+        self.cfg = cfg or PPOLossConfig()
+
+    def __call__(self, logprobs: torch.Tensor, inputs: LossInputs, normalizer: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        return ppo_actor_loss(logprobs, inputs.proximal_logprobs, inputs.behaviour_logprobs,
+                              inputs.advantages, inputs.loss_mask, normalizer, self.cfg,
+                              ref_logprobs=inputs.ref_logprobs)
 
 
 def grpo_loss(

@@ -17,6 +17,7 @@ each token came from, so per-token outputs scatter back to samples.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +39,23 @@ class PackedMicroBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    # the fields every micro-batch has (see `pack_samples`); callers' own fields are in `tensors`
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.tensors["loss_mask"]
+
+    @property
+    def behaviour_logprobs(self) -> torch.Tensor:
+        return self.tensors["behaviour_logprobs"]
+
+    @property
+    def versions(self) -> torch.Tensor:
+        return self.tensors["versions"]
+
+    @property
+    def seq_id(self) -> torch.Tensor:
+        return self.tensors["seq_id"]
 
     @property
     def seq_starts(self) -> torch.Tensor:
@@ -115,60 +133,60 @@ def plan_micro_batches(
     return groups
 
 
-def _sample_fields(s: Sample) -> dict[str, list[float]]:
-    mask = list(s.loss_mask)
-    if mask:
-        mask[0] = 0  # the first token has no prefix to predict it from
-    return {"loss_mask": mask, "behaviour_logprobs": s.logprobs, "versions": s.versions}
+TokenData = Mapping[str, Sequence[torch.Tensor]]
 
 
 def pack_samples(
     samples: Sequence[Sample],
     indices: Sequence[int],
-    token_data: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    token_data: TokenData | None = None,
 ) -> PackedMicroBatch:
     """Pack `samples[i] for i in indices` into one row.
 
-    `token_data` maps a name to one input-aligned list per sample in `samples` (advantages,
+    `token_data` maps a name to one input-aligned tensor per sample in `samples` (advantages,
     proximal or reference logprobs, ...); it is packed alongside as float32 tensors [N].
-    Always present: loss_mask [N] (bool), behaviour_logprobs [N], versions [N] (long),
-    seq_id [N] (long, 0..k-1 within this micro-batch).
+    Always present: loss_mask [N] (bool; 0 at each sample's first token, which has no prefix to
+    predict it from), behaviour_logprobs [N], versions [N] (long), seq_id [N] (long, 0..k-1
+    within this micro-batch).
     """
     if not indices:
         raise ValueError("pack_samples needs at least one sample index; got none")
-    ids: list[int] = []
-    pos: list[int] = []
-    offsets = [0]
-    cols: dict[str, list[float]] = {"loss_mask": [], "behaviour_logprobs": [], "versions": []}
-    extra = {k: [] for k in (token_data or {})}
-    seq_id: list[int] = []
-    for j, i in enumerate(indices):
-        s = samples[i]
-        n = len(s.input_ids)
+    lengths = [len(samples[i].input_ids) for i in indices]
+    for i, n in zip(indices, lengths):
         if n == 0:
             raise ValueError(f"samples[{i}] has no tokens; len(input_ids)=0, allowed [1, inf)")
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    for i in indices:
+        s = samples[i]
         ids += s.input_ids
-        pos += range(n)
-        offsets.append(offsets[-1] + n)
-        seq_id += [j] * n
-        for k, v in _sample_fields(s).items():
-            cols[k] += v
-        for k, per_sample in (token_data or {}).items():
-            if len(per_sample[i]) != n:
-                raise ValueError(f"token_data[{k!r}][{i}] has {len(per_sample[i])} entries; "
-                                 f"must equal len(samples[{i}].input_ids)={n}")
-            extra[k] += per_sample[i]
+        mask += s.loss_mask
+        logprobs += s.logprobs
+        versions += s.versions
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    starts = offsets[:-1].long()
+    k = len(indices)
     tensors = {
-        "loss_mask": torch.tensor(cols["loss_mask"], dtype=torch.bool),
-        "behaviour_logprobs": torch.tensor(cols["behaviour_logprobs"], dtype=torch.float32),
-        "versions": torch.tensor(cols["versions"], dtype=torch.long),
-        "seq_id": torch.tensor(seq_id, dtype=torch.long),
+        "loss_mask": torch.tensor(mask, dtype=torch.bool).index_fill_(0, starts, False),
+        "behaviour_logprobs": torch.tensor(logprobs, dtype=torch.float32),
+        "versions": torch.tensor(versions, dtype=torch.long),
+        "seq_id": torch.repeat_interleave(torch.arange(k), torch.tensor(lengths)),
     }
-    tensors.update({k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items()})
+    for name, per_sample in (token_data or {}).items():
+        for i, n in zip(indices, lengths):
+            if per_sample[i].shape != (n,):
+                raise ValueError(f"token_data[{name!r}][{i}] has shape "
+                                 f"{tuple(per_sample[i].shape)}; must be ({n},), the length of "
+                                 f"samples[{i}].input_ids")
+        tensors[name] = torch.cat([per_sample[i] for i in indices]).float()
+    position_ids = torch.arange(offsets[-1].item()) - torch.repeat_interleave(starts,
+                                                                             torch.tensor(lengths))
     return PackedMicroBatch(
         input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0),
-        position_ids=torch.tensor(pos, dtype=torch.long).unsqueeze(0),
-        cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
+        position_ids=position_ids.unsqueeze(0),
+        cu_seqlens=offsets,
         sample_index=list(indices),
         tensors=tensors,
     )
@@ -177,7 +195,7 @@ def pack_samples(
 def build_micro_batches(
     samples: Sequence[Sample],
     max_tokens: int,
-    token_data: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    token_data: TokenData | None = None,
     min_count: int = 1,
 ) -> list[PackedMicroBatch]:
     """All of `samples` as packed micro-batches of at most `max_tokens` tokens each (see

@@ -2,25 +2,29 @@
 
     samples -> [reference logprobs if KL is on] -> [proximal logprobs: recompute forward]
             -> advantages (one call over the whole batch, groups = trajectories)
-            -> train_batch with the decoupled PPO actor loss per packed micro-batch
+            -> train_batch: the configured PolicyLoss on each packed micro-batch
 
-Everything step-specific is computed once for the batch and handed to the train engine as
-input-aligned per-token `token_data`, so micro-batching never changes a group baseline or the
-loss normaliser. The loss functions themselves stay pure (`losses`, `advantages`, `proximal`).
+Everything step-specific is computed once for the batch as input-aligned per-token tensors
+(`token_data`) and packed with the samples, so micro-batching never changes a group baseline or
+the loss normaliser. The loss itself is a `PolicyLoss` (api/loss.py): the built-in decoupled PPO
+loss (`losses.PPOLoss`) or a user's, which receives the same typed `LossInputs`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pydantic
 import torch
 
+from asyncrl.api.loss import LossInputs, PolicyLoss
 from asyncrl.api.trajectory import Sample, Trajectory
 from asyncrl.config import Config
 from asyncrl.train.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
 from asyncrl.train.engine import HFTrainEngine
-from asyncrl.train.losses import PPOLossConfig, ppo_actor_loss
+from asyncrl.train.losses import PPOLoss, PPOLossConfig
+from asyncrl.train.packing import PackedMicroBatch
 from asyncrl.train.proximal import ProximalConfig, approx_proximal_logprobs
 
 
@@ -32,15 +36,10 @@ class PPOActorConfig(Config):
     # advantages stay those of the start of the batch, so from the second step on the PPO clip
     # bounds how far the policy moves. The policy version still advances by one per batch.
     ppo_n_minibatches: int = pydantic.Field(1, ge=1)
-
-
-def _padded(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> torch.Tensor:
-    """[N, T] right-padded with zeros."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.zeros(len(rows), width, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
-    return out
+    # The policy loss: "ppo" (losses.PPOLoss with `ppo` above) or a user's `package.module:obj`
+    # implementing api.PolicyLoss; a class (or factory) there is called with `loss_kwargs`.
+    loss: str = pydantic.Field("ppo", description="ppo | package.module:LossClassOrFunction")
+    loss_kwargs: dict[str, Any] = {}
 
 
 def flatten(trajectories: Sequence[Trajectory]) -> tuple[list[Sample], torch.Tensor]:
@@ -62,15 +61,25 @@ def minibatches(groups: torch.Tensor, n: int) -> list[list[int]]:
     return [[i for i, g in enumerate(ids) if g in part] for part in slices]
 
 
-def _unpad(x: torch.Tensor, samples: Sequence[Sample]) -> list[list[float]]:
-    return [x[i, : len(s.input_ids)].tolist() for i, s in enumerate(samples)]
+def _padded_mask(samples: Sequence[Sample]) -> torch.Tensor:
+    """loss_mask as [N, T], right-padded with zeros."""
+    width = max(len(s.loss_mask) for s in samples)
+    out = torch.zeros(len(samples), width)
+    for i, s in enumerate(samples):
+        out[i, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    return out
+
+
+def _rows(x: torch.Tensor, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    """[N, T] padded -> one unpadded row per sample (views, no copy)."""
+    return [x[i, : len(s.input_ids)] for i, s in enumerate(samples)]
 
 
 class PPOActor:
     """Owns no model: drives a trainable `HFTrainEngine` (and an optional frozen reference)."""
 
     def __init__(self, engine: HFTrainEngine, cfg: PPOActorConfig,
-                 ref: HFTrainEngine | None = None) -> None:
+                 ref: HFTrainEngine | None = None, loss: PolicyLoss | None = None) -> None:
         if cfg.ppo.kl_coef > 0 and ref is None:
             raise ValueError(f"ppo.kl_coef={cfg.ppo.kl_coef} > 0 needs a reference model; "
                              "pass ref=HFTrainEngine(..., trainable=False) or set ppo.kl_coef=0")
@@ -82,54 +91,60 @@ class PPOActor:
                              "returns logprobs only, so the entropy bonus is not available here; "
                              "allowed: 0")
         self.engine, self.cfg, self.ref = engine, cfg, ref
-        self._version = engine.get_version()  # of the weights the current batch started from
+        self.loss: PolicyLoss = loss if loss is not None else PPOLoss(cfg.ppo)
+        self._batch_version = engine.version.value  # the weights the current batch started from
 
     def token_data(self, samples: Sequence[Sample], groups: torch.Tensor
-                   ) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+                   ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
         """Per-token advantages (+ proximal / reference logprobs) for the whole batch."""
-        mask = _padded([s.loss_mask for s in samples], torch.float32)
         inputs = AdvantageInputs(
             rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-            loss_mask=mask, group_ids=groups,
+            loss_mask=_padded_mask(samples), group_ids=groups,
             truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool))
         result = compute_advantages(inputs, self.cfg.advantage)
-        data = {"advantages": _unpad(result.advantages, samples),
-                "adv_loss_mask": _unpad(result.loss_mask.float(), samples)}
+        data = {"advantages": _rows(result.advantages, samples),
+                "adv_loss_mask": _rows(result.loss_mask.float(), samples)}
         if self.cfg.proximal.needs_forward_pass:
-            data["proximal_logprobs"] = [t.tolist() for t in self.engine.forward(samples)]
+            data["proximal_logprobs"] = self.engine.forward(samples)
         if self.ref is not None:
-            data["ref_logprobs"] = [t.tolist() for t in self.ref.forward(samples)]
+            data["ref_logprobs"] = self.ref.forward(samples)
         return data, result.stats
 
-    def loss_fn(self, logprobs: torch.Tensor, t: Mapping[str, torch.Tensor],
-                normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        behaviour = t["behaviour_logprobs"]
+    def loss_inputs(self, logprobs: torch.Tensor, mb: PackedMicroBatch) -> LossInputs:
+        """The typed per-token inputs of one micro-batch, proximal logprobs resolved."""
+        behaviour, t = mb.behaviour_logprobs, mb.tensors
         source = self.cfg.proximal.proximal_logprobs
         if source == "recompute":
             proximal = t["proximal_logprobs"]
         elif source == "loglinear":
-            proximal = approx_proximal_logprobs(behaviour, logprobs, t["versions"],
-                                                self._version)
+            proximal = approx_proximal_logprobs(behaviour, logprobs, mb.versions,
+                                                self._batch_version)
         else:
             proximal = behaviour
-        mask = t["loss_mask"] & t["adv_loss_mask"].bool()
-        return ppo_actor_loss(logprobs, proximal, behaviour, t["advantages"], mask, normalizer,
-                              self.cfg.ppo, ref_logprobs=t.get("ref_logprobs"))
+        return LossInputs(
+            loss_mask=mb.loss_mask & t["adv_loss_mask"].bool(), behaviour_logprobs=behaviour,
+            proximal_logprobs=proximal, advantages=t["advantages"], versions=mb.versions,
+            seq_id=mb.seq_id, ref_logprobs=t.get("ref_logprobs"),
+            policy_version=self._batch_version)
+
+    def _micro_batch_loss(self, logprobs: torch.Tensor, mb: PackedMicroBatch,
+                          normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.loss(logprobs, self.loss_inputs(logprobs, mb), normalizer)
 
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """`ppo_n_minibatches` optimizer steps, policy version + 1; returns the stats (mean
-        over minibatches)."""
+        """`ppo_n_minibatches` optimizer steps, then the policy version advances by one; returns
+        the stats (mean over minibatches)."""
         samples, groups = flatten(trajectories)
         if not samples:
             raise ValueError("train_step got trajectories with no samples")
         data, stats = self.token_data(samples, groups)
-        self._version = version = self.engine.get_version()
+        self._batch_version = self.engine.version.value
         per_mb: list[dict[str, float]] = []
         for part in minibatches(groups, self.cfg.ppo_n_minibatches):
             per_mb.append(self.engine.train_batch(
-                [samples[i] for i in part], self.loss_fn,
+                [samples[i] for i in part], self._micro_batch_loss,
                 {k: [v[i] for i in part] for k, v in data.items()}))
-        self.engine.set_version(version + 1)
+        self.engine.version.advance()
         for key in per_mb[0]:
             stats[key] = sum(st.get(key, 0.0) for st in per_mb) / len(per_mb)
         stats["ppo/minibatches"] = float(len(per_mb))

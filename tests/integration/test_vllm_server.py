@@ -25,13 +25,14 @@ from safetensors.torch import load_file
 
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
 from asyncrl.inference.backends import VLLMBackend
+from asyncrl.inference.engine import EngineSettings
 from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
 from asyncrl.inference.remote_errors import ServerCheckError
 from asyncrl.launch.local_servers import LocalServers
 from asyncrl.launch.server_commands import server_command
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.weight_sync import save_state_dict_dir, untied_copy
+from asyncrl.models.export import save_weights_dir, untied_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_venv import ensure_vllm_python  # noqa: E402
@@ -63,7 +64,7 @@ def model_dirs(tmp_path_factory):
 def servers(vllm_python, model_dirs, tmp_path_factory):
     """Two vLLM servers (dev mode, processed logprobs) of the untied tiny model."""
     make = lambda key: server_command("vllm", str(model_dirs[1]), python=vllm_python,  # noqa: E731
-                                      max_num_seqs=32, api_key=key)
+                                      engine=EngineSettings(max_num_seqs=32), api_key=key)
     with LocalServers(make, 2, tmp_path_factory.mktemp("vllm_logs"), 300, api_key=KEY) as s:
         yield s
 
@@ -87,7 +88,7 @@ def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return save_state_dict_dir(model.state_dict(), model.config, out, untie=True)
+    return save_weights_dir(model.state_dict(), model.config, out, untie=True)
 
 
 def metric(url: str, name: str) -> float:
@@ -187,7 +188,7 @@ def test_cancelled_request_is_aborted_on_the_server(servers):
 
 def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs, tmp_path):
     """A stock server started the way vLLM's docs start it (no dev mode, raw logprobs)."""
-    cmd = server_command("vllm", str(model_dirs[1]), python=vllm_python, max_num_seqs=4)
+    cmd = server_command("vllm", str(model_dirs[1]), python=vllm_python, engine=EngineSettings(max_num_seqs=4))
     cmd.env.pop("VLLM_SERVER_DEV_MODE")
     i = cmd.argv.index("--logprobs-mode")
     del cmd.argv[i:i + 2]
@@ -215,9 +216,9 @@ def test_logprob_check_catches_a_reload_that_left_a_tied_head_stale(vllm_python,
     with torch.no_grad():
         for p in v1_model.parameters():
             p.add_(torch.randn(p.shape, generator=g_) * 0.05)
-    tied_v1 = save_state_dict_dir(v1_model.state_dict(), v1_model.config, tmp_path / "v1-tied")
+    tied_v1 = save_weights_dir(v1_model.state_dict(), v1_model.config, tmp_path / "v1-tied")
     assert "lm_head.weight" not in load_file(str(tied_v1 / "model.safetensors"))
-    cmd = server_command("vllm", str(model_dirs[0]), python=vllm_python, max_num_seqs=4,
+    cmd = server_command("vllm", str(model_dirs[0]), python=vllm_python, engine=EngineSettings(max_num_seqs=4),
                          api_key=KEY)
     with LocalServers(lambda key: cmd, 1, tmp_path / "logs", 300, api_key=KEY) as tied:
         engine = engine_for(tied.urls)

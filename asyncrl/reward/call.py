@@ -1,4 +1,4 @@
-"""Calling a user's reward function from a workflow, sync or async alike.
+"""Calling a user's reward function from a workflow or an eval, sync or async alike.
 
 `RewardFn(completion_text, data) -> float` may be a plain function (cheap checks such as the exact
 answer) or a coroutine function (e.g. a closure over `RewardPool.score` for sandboxed or

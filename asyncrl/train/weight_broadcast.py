@@ -1,37 +1,30 @@
-"""Pushing new policy weights from the trainer to inference engines: one function per transport.
+"""Weights by collective broadcast (NCCL on GPUs, gloo on CPU): the trainer's rank 0 and every
+engine process form a process group of their own and the weights travel as flat buckets.
 
-- `sync_in_process`: engines in this process (`AsyncLLMEngine` or anything with the
-  `InferenceEngine.update_weights(meta, state_dict)` method) take the state dict directly.
-- `sync_over_http`: each server gets the tensors in safetensors buckets (`/update_weights/tensors`);
-  the server stages them and applies the whole set with the version in one engine command.
-- `sync_via_disk`: the trainer writes a HF directory once, each server loads it (`/update_weights`);
-  the only option when trainer and servers share a file system but not a fast network.
-- `DistributedWeightSender` / `DistributedWeightReceiver`: a collective broadcast for GPU clusters.
-  The trainer (rank 0) and every engine process (ranks 1..world_size-1) form their own process
-  group, rendezvousing through a TCP store at master_addr:master_port; NCCL on GPUs, gloo on CPU.
-  The group is built directly on the store (not `init_process_group`), so it is independent of the
-  trainer's own FSDP/torchrun world and of whatever the engine runs.
+Not yet called by a training job: `inference.weight_sync` offers HTTP buckets and disk today, and
+wiring this path to `asyncrl serve`, SGLang and vLLM is issue 17's work. It is kept (and tested
+between two real processes with gloo) because that wiring builds on it.
 
-Broadcast protocol: on joining, rank 0 publishes the tensor spec (names, shapes, dtypes, in a fixed
-sorted order) in the store; every rank derives the same bucket plan from it (consecutive tensors of
-one dtype, flattened into buffers of about `bucket_bytes`). One sync = a header [version, number of
+The group: rank 0 is the trainer, ranks 1..world_size-1 are engine processes, rendezvousing
+through a TCP store at master_addr:master_port. It is built directly on the store (not
+`init_process_group`), so it is independent of the trainer's own FSDP/torchrun world and of
+whatever the engine runs.
+
+Protocol: on joining, rank 0 publishes the tensor spec (names, shapes, dtypes, in a fixed sorted
+order) in the store; every rank derives the same bucket plan from it (consecutive tensors of one
+dtype, flattened into buffers of about `bucket_bytes`). One sync = a header [version, number of
 tensors] then each bucket. A receiver stages every bucket before touching its engine, then applies
 all weights together with the version in one engine call, so no token is sampled from a half-new
-model. `DistributedWeightReceiver.receive_and_apply` is what an inference server would run when the
-trainer announces a sync (that HTTP endpoint is not part of this module); the trainer calls
-`DistributedWeightSender.broadcast` at the same time.
+model.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import datetime
 import json
-import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,125 +34,6 @@ from asyncrl.api.weights import WeightUpdateKind, WeightUpdateMeta
 
 SPEC_KEY = "weight_spec"
 
-
-# ---- in-process, HTTP, disk --------------------------------------------------------------------
-
-async def sync_in_process(
-    engines: Sequence[Any], state_dict: Mapping[str, torch.Tensor], version: int
-) -> None:
-    """Every in-process engine loads `state_dict` and moves to `version` (concurrently)."""
-    meta = WeightUpdateMeta.from_tensors(version)
-    await asyncio.gather(*(e.update_weights(meta, state_dict=state_dict) for e in engines))
-
-
-def sync_over_http(
-    urls: Sequence[str], state_dict: Mapping[str, torch.Tensor], version: int,
-    bucket_bytes: int = 64 << 20, api_key: str | None = None,
-) -> list[dict]:
-    """Stream the weights to each server in turn; returns each server's final reply."""
-    from asyncrl.inference.weight_buckets import (
-        push_weights_over_http,  # only this path needs it
-    )
-
-    meta = WeightUpdateMeta.from_tensors(version, bucket_bytes)  # validates version/bucket_bytes
-    return [push_weights_over_http(url, named_tensors(state_dict), meta.version, meta.bucket_bytes,
-                                   api_key=api_key) for url in urls]
-
-
-def save_weights_dir(model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
-    """A HF directory the engines can load: with the tokenizer via `save_model_dir`."""
-    if tokenizer is not None:
-        from asyncrl.models.tiny import save_model_dir
-
-        return save_model_dir(model, tokenizer, out_dir)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
-
-
-def save_state_dict_dir(state_dict: Mapping[str, torch.Tensor], hf_config: Any,
-                        out_dir: str | Path, tokenizer: Any = None, untie: bool = False) -> Path:
-    """A HF directory from full weights (e.g. gathered from FSDP shards): config.json,
-    model.safetensors (tied tensors stored once), and the tokenizer when given.
-
-    `untie`: a tied model is written with an output head of its own (a copy of the embeddings,
-    config tie_word_embeddings=false), for servers that do not re-tie on a reload (vLLM)."""
-    from safetensors.torch import save_file
-
-    from asyncrl.inference.weight_buckets import without_tied_aliases
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous()
-               for name, t in without_tied_aliases(state_dict.items())}
-    if untie and getattr(hf_config, "tie_word_embeddings", False):
-        hf_config = copy.deepcopy(hf_config)
-        hf_config.tie_word_embeddings = False
-        tensors["lm_head.weight"] = tensors[_embedding_name(tensors)].clone()
-    hf_config.save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:  # loadable by transformers 4.x and 5.x alike, as the class it is
-        from asyncrl.models.tokenizer import save_tokenizer
-
-        save_tokenizer(tokenizer, out)
-    return out
-
-
-def _embedding_name(tensors: Mapping[str, torch.Tensor]) -> str:
-    names = [n for n in tensors if n.endswith("embed_tokens.weight")]
-    if len(names) != 1:
-        raise ValueError(f"cannot untie the output head: expected one '*embed_tokens.weight' "
-                         f"tensor, found {names}")
-    return names[0]
-
-
-def untied_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
-    """`model_dir` as it is when its config does not tie the output head to the embeddings;
-    otherwise a copy under `out_dir` with an untied head (see `save_state_dict_dir`)."""
-    import transformers
-    from safetensors.torch import load_file
-
-    src = Path(model_dir)
-    config = transformers.AutoConfig.from_pretrained(src, local_files_only=True)
-    if not getattr(config, "tie_word_embeddings", False):
-        return src
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)
-    for f in src.iterdir():  # tokenizer and generation config travel unchanged
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
-                "config.json", "model.safetensors.index.json"):
-            out.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, out / f.name)
-    return save_state_dict_dir(state, config, out, untie=True)
-
-
-def sync_via_disk(
-    urls: Sequence[str], model: torch.nn.Module, out_dir: str | Path, version: int,
-    tokenizer: Any = None, api_key: str | None = None, timeout: float = 300.0,
-) -> list[dict]:
-    """Write the weights once under `out_dir`, then ask each server to load them."""
-    import httpx
-
-    path = save_weights_dir(model, out_dir, tokenizer)
-    meta = WeightUpdateMeta.from_disk(str(path), version)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    replies = []
-    for url in urls:
-        resp = httpx.post(f"{url.rstrip('/')}/update_weights", headers=headers, timeout=timeout,
-                          json={"path": meta.path, "version": meta.version})
-        if resp.status_code != 200:
-            raise RuntimeError(f"disk weight update of {url} to version {version} failed: "
-                               f"HTTP {resp.status_code} {resp.text[:500]}")
-        replies.append(resp.json())
-    return replies
-
-
-# ---- torch.distributed broadcast ---------------------------------------------------------------
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -315,10 +189,5 @@ class DistributedWeightReceiver:
         """The same for an `AsyncLLMEngine`: the blocking receive runs on a worker thread, the
         swap is one engine command between two steps (generation continues while receiving)."""
         version, weights = await asyncio.to_thread(self.receive)
-        await engine.update_weights(WeightUpdateMeta.from_tensors(version), state_dict=weights)
+        await engine.update_weights(WeightUpdateMeta.from_tensors(version), weights)
         return version
-
-
-def named_tensors(state_dict: Mapping[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
-    """The fixed (sorted) order as (name, tensor) pairs, for transports that stream."""
-    return ((s.name, state_dict[s.name]) for s in spec_of(state_dict))

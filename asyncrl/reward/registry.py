@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncrl.errors import UserError
 from asyncrl.imports import import_object
-from asyncrl.rollout.reward_call import RewardFn, answer_reward
+from asyncrl.reward.call import RewardFn, answer_reward
 
 
 @contextlib.contextmanager

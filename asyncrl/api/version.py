@@ -1,0 +1,57 @@
+"""The policy version: one owner advances it, everyone else reads it.
+
+The trainer's engine owns the version of the weights it trains (`advance` once per policy update,
+`set` on resume). The rollout executor subscribes, so its staleness capacity follows each update;
+the loop reads it for logs and checkpoints. An inference engine reports the version of the weights
+it holds (`InferenceEngine.get_version`): that one trails this one while a push is in flight, and
+is set only by `update_weights(meta)` with `meta.version`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class PolicyVersion:
+    def __init__(self, value: int = 0) -> None:
+        self._check(value)
+        self._value = value
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[int], None]] = []
+
+    @staticmethod
+    def _check(value: int) -> None:
+        if value < 0:
+            raise ValueError(f"version={value} is out of range; allowed [0, inf)")
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def set(self, value: int) -> None:
+        """Jump to `value` (a resumed checkpoint's version) and tell the subscribers."""
+        self._check(value)
+        with self._lock:
+            self._value = value
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(value)
+
+    def advance(self) -> int:
+        """One policy update happened: version + 1 (returned)."""
+        self.set(self._value + 1)
+        return self._value
+
+    def subscribe(self, fn: Callable[[int], None]) -> None:
+        """`fn(new_version)` after every change, on the thread that made it."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def unsubscribe(self, fn: Callable[[int], None]) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    def __repr__(self) -> str:
+        return f"PolicyVersion({self._value})"

@@ -1,0 +1,64 @@
+"""ARCHITECTURE.md stays true: the import rules between layers hold, and every repository path
+the document names exists."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+PKG = ROOT / "asyncrl"
+
+# what each top-level part of the package may import (besides itself); launch and cli: anything
+BASE = {"api", "errors", "config", "imports"}
+ALLOWED = {
+    "api": set(),
+    "errors": set(),
+    "config": {"errors"},
+    "imports": {"errors"},
+    "models": BASE,
+    "data": BASE | {"models"},
+    "reward": BASE | {"models"},
+    "inference": BASE | {"models"},
+    "rollout": BASE | {"models", "reward", "inference"},
+    "proxy": BASE | {"models", "reward", "inference"},
+    "train": BASE | {"models"},
+}
+
+
+def imported_parts(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        out |= {n.split(".")[1] for n in names if n.startswith("asyncrl.")}
+    return out
+
+
+def test_layers_import_downward_only():
+    bad = []
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).parts
+        part = rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+        if part not in ALLOWED:
+            continue
+        extra = imported_parts(path) - ALLOWED[part] - {part}
+        if extra:
+            bad.append(f"{path.relative_to(ROOT)} imports asyncrl.{sorted(extra)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_path_architecture_md_names_exists():
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    paths = set(re.findall(r"`((?:asyncrl|tests)/[\w/.]+)`", text))
+    assert len(paths) > 20
+    missing = sorted(p for p in paths if not (ROOT / p.rstrip("/")).exists())
+    assert not missing, f"ARCHITECTURE.md names paths that do not exist: {missing}"
+
+
+def test_docs_point_at_documents_in_the_repository():
+    for path in [*ROOT.glob("*.md"), *(ROOT / "tests").glob("*.py"), *PKG.rglob("*.py")]:
+        for doc in re.findall(r"\b([A-Z][A-Z_]+\.md)\b", path.read_text()):
+            assert (ROOT / doc).is_file(), f"{path.relative_to(ROOT)} cites {doc}, not in the repo"
