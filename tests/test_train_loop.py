@@ -105,6 +105,11 @@ def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     assert trainer_state["version"] == 4  # the trainer's engine owns the version
     elapsed = [m["time/elapsed_s"] for m in metrics(run) if "reward/mean" in m]
     assert elapsed == sorted(elapsed)  # the time axis continues across the resume
+    # the resumed engine serves the checkpoint's version: its tokens are not tagged 0
+    records = [json.loads(line) for f in (run / "rollouts").glob("*.jsonl")
+               for line in f.read_text().splitlines()]
+    resumed = [r for r in records if r["start_version"] >= 2]
+    assert resumed and min(r["head_version"] for r in resumed) >= 2
 
 
 def _start_train(model_dir, out, *extra):

@@ -10,6 +10,7 @@ import user_plugins
 from test_train_loop import small_config
 
 from asyncrl import Trainer
+from asyncrl.config import ConfigError
 from asyncrl.errors import UserError
 from asyncrl.models.loading import load_tokenizer
 
@@ -59,6 +60,10 @@ def test_bad_plugins_are_one_line_errors(model_dir, tmp_path):
         Trainer(cfg).train(workflow="user_plugins:nope")
     with pytest.raises(UserError, match="expected a RolloutWorkflow"):
         Trainer(cfg).train(workflow=42)
+    with pytest.raises(ConfigError, match="actor.loss_kwargs"):
+        small_config(model_dir, tmp_path / "k", **{"actor.loss_kwargs": {"scale": 2}})
+    with pytest.raises(ConfigError, match="workflow.path"):
+        small_config(model_dir, tmp_path / "k", workflow={"kind": "custom"})
     with pytest.raises(UserError, match="actor.loss"):
         Trainer(cfg).train(workflow=user_plugins.OddFirstTokenWorkflow(load_tokenizer(model_dir)),
                            loss="user_plugins:nope")

@@ -6,12 +6,11 @@ test double are interchangeable without sharing a base class.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat, runtime_checkable
 
 from asyncrl.api.generation import ModelRequest, ModelResponse
-from asyncrl.api.loss import PolicyLoss
 from asyncrl.api.trajectory import Sample, Trajectory
 from asyncrl.api.version import PolicyVersion
 from asyncrl.api.weights import WeightUpdateMeta
@@ -48,12 +47,12 @@ class TrainEngine(Protocol):
 
     version: PolicyVersion  # of the weights it trains; the policy update advances it
 
-    def train_batch(self, samples: list[Sample], loss: PolicyLoss,
+    def train_batch(self, samples: list[Sample], loss_fn: Callable[..., Any],
                     token_data: Mapping[str, list[torch.Tensor]] | None = None,
                     ) -> dict[str, float]:
-        """One optimizer step over `samples` (packed into micro-batches internally); `loss` gets
-        per-token logprobs, the micro-batch's `LossInputs` (with `token_data` packed alongside)
-        and the global token normaliser."""
+        """One optimizer step over `samples`, packed into micro-batches with `token_data` (one
+        input-aligned tensor per sample and name). `loss_fn(logprobs, micro_batch, normalizer)`
+        runs per micro-batch; the PPO actor adapts a `PolicyLoss` to it (train/ppo_actor.py)."""
 
     def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-token logprobs of each sample (proximal / reference policy), without gradients."""

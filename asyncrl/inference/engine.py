@@ -67,8 +67,12 @@ class EngineConfig(EngineSettings):
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, detokenize: Callable[[list[int]], str] | None = None
+        self, config: EngineConfig, detokenize: Callable[[list[int]], str] | None = None,
+        version: int = 0,
     ) -> None:
+        """`version`: of the weights at `config.model_path` (a resumed run's checkpoint)."""
+        if version < 0:
+            raise ValueError(f"version={version} is out of range; allowed [0, inf)")
         self.config = config
         self.detokenize = detokenize  # needed only by requests with stop strings
         hf_config = read_hf_config(config.model_path)
@@ -89,7 +93,7 @@ class LLMEngine:
         eos = [] if config.ignore_eos else read_eos_ids(config.model_path, hf_config)
         self.sampler = Sampler(eos, seed=config.seed)
         self.scheduler = Scheduler(num_slots, self.max_seq_len, config.max_prefill_tokens)
-        self.version = 0
+        self.version = version
         self.paused = False
         self._rids: dict[str, Sequence] = {}
 

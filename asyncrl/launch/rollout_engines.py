@@ -98,9 +98,10 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
     weights_dir = log_dir.parent / "weights"  # disk sync only; created on first use
     if cfg.mode == "inprocess":
         from asyncrl.inference.async_engine import AsyncLLMEngine
-        from asyncrl.inference.engine import EngineConfig
+        from asyncrl.inference.engine import EngineConfig, LLMEngine
 
-        engine = AsyncLLMEngine(EngineConfig.of(model_dir, cfg.engine), detokenize)
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig.of(model_dir, cfg.engine), detokenize,
+                                          version=version))
         try:
             yield RolloutEngines(engine, cfg, remote=False, weights_dir=weights_dir,
                                  version=version)

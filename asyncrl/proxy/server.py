@@ -86,12 +86,19 @@ class ProxyServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="asyncrl agent proxy")
-        store, routes = self.store, self.routes
         handlers = {AuthError: 401, KeyError: 404, CapacityError: 429, ValueError: 400}
         for exc, status in handlers.items():
             app.add_exception_handler(exc, _handler(status))
-
         app.add_exception_handler(RequestValidationError, invalid_request)
+        self._openai_routes(app)
+        self._session_routes(app)
+        app.add_middleware(BodyLimit, limit=self.cfg.max_body_bytes,
+                           weights_limit=self.cfg.max_body_bytes)
+        return app
+
+    def _openai_routes(self, app: FastAPI) -> None:
+        """What agents call with their session key (OpenAI's shape)."""
+        store, routes = self.store, self.routes
 
         @app.get("/health")
         async def health() -> dict:
@@ -129,6 +136,10 @@ class ProxyServer:
             if completion_id not in session.completions:
                 raise KeyError(f"completion {completion_id!r} is not in this session")
             return session.completions[completion_id].public()
+
+    def _session_routes(self, app: FastAPI) -> None:
+        """Session control with the admin key (a session key may reward its own session)."""
+        store, routes = self.store, self.routes
 
         @app.post("/sessions")
         async def start(authorization: str | None = Header(None)) -> dict:
@@ -169,10 +180,6 @@ class ProxyServer:
             store.check_admin(bearer(authorization))
             return {**routes.stats, "active_sessions": store.active,
                     "expired_sessions": store.expired}
-
-        app.add_middleware(BodyLimit, limit=self.cfg.max_body_bytes,
-                           weights_limit=self.cfg.max_body_bytes)
-        return app
 
 
 def _handler(status: int) -> Callable[[Request, Exception], Any]:

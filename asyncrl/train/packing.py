@@ -41,21 +41,10 @@ class PackedMicroBatch:
         return int(self.input_ids.shape[1])
 
     # the fields every micro-batch has (see `pack_samples`); callers' own fields are in `tensors`
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        return self.tensors["loss_mask"]
-
-    @property
-    def behaviour_logprobs(self) -> torch.Tensor:
-        return self.tensors["behaviour_logprobs"]
-
-    @property
-    def versions(self) -> torch.Tensor:
-        return self.tensors["versions"]
-
-    @property
-    def seq_id(self) -> torch.Tensor:
-        return self.tensors["seq_id"]
+    loss_mask = property(lambda self: self.tensors["loss_mask"])
+    behaviour_logprobs = property(lambda self: self.tensors["behaviour_logprobs"])
+    versions = property(lambda self: self.tensors["versions"])
+    seq_id = property(lambda self: self.tensors["seq_id"])
 
     @property
     def seq_starts(self) -> torch.Tensor:

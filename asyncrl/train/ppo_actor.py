@@ -41,6 +41,14 @@ class PPOActorConfig(Config):
     loss: str = pydantic.Field("ppo", description="ppo | package.module:LossClassOrFunction")
     loss_kwargs: dict[str, Any] = {}
 
+    @pydantic.model_validator(mode="after")
+    def _kwargs_for_a_user_loss(self) -> PPOActorConfig:
+        if self.loss == "ppo" and self.loss_kwargs:
+            raise ValueError(f"actor.loss_kwargs={self.loss_kwargs} is for a user loss "
+                             "(actor.loss: package.module:Loss); the built-in 'ppo' loss is set "
+                             "with actor.ppo.*")
+        return self
+
 
 def flatten(trajectories: Sequence[Trajectory]) -> tuple[list[Sample], torch.Tensor]:
     """All samples of the batch and their group index [N] (one group per trajectory)."""
