@@ -28,6 +28,7 @@ class LossInputs:
     versions: torch.Tensor  # long: policy version that sampled the token (-1: prompt)
     seq_id: torch.Tensor  # long: which sample of the micro-batch (0..k-1) the token belongs to
     ref_logprobs: torch.Tensor | None = None  # the reference policy's, when a KL term needs it
+    entropy: torch.Tensor | None = None  # per-token entropy with grad, when the loss asks for it
     policy_version: int = 0  # the version of the weights this batch's update started from
 
 
@@ -38,6 +39,10 @@ class PolicyLoss(Protocol):
     Divide by `normalizer` (the global count of trained tokens over every micro-batch and rank)
     rather than by this micro-batch's count, so gradient accumulation equals one big batch.
     `stats` are floats for logging, averaged over micro-batches weighted by their tokens.
+
+    Optional attributes the trainer reads: `normalize_by` ("tokens", the default, or
+    "sequences": the normaliser then counts sequences with a trained token) and `needs_entropy`
+    (True: `inputs.entropy` is filled, at the cost of a softmax over the vocabulary per token).
     """
 
     def __call__(self, logprobs: torch.Tensor, inputs: LossInputs, normalizer: torch.Tensor

@@ -71,7 +71,10 @@ def batch_metrics(trajs: Sequence[Trajectory], version: int) -> dict[str, float]
     token_lag = [version - v for s in samples for v, m in zip(s.versions, s.loss_mask) if m]
     rewards = [s.reward for s in samples]
     generated = [s.num_generated for s in samples]
+    hist = {f"staleness/hist_{lag}": sum(x == lag for x in stale) / len(stale)
+            for lag in range(max(stale) + 1)}
     return {
+        **hist,  # this batch's trajectories by staleness (versions behind at consumption)
         "reward/mean": sum(rewards) / len(rewards),
         "reward/max": max(rewards),
         "reward/min": min(rewards),

@@ -1,4 +1,5 @@
-"""Checkpoints of a training run: RUN/checkpoints/step_NNNNNN/{policy/, trainer/, state.json}.
+"""Checkpoints of a training run: RUN/checkpoints/step_NNNNNN/{policy/, trainer/, [critic/,]
+state.json}.
 
 `policy/` is a plain HF model directory (weights + tokenizer) that `asyncrl eval`, `asyncrl serve`
 or vLLM load directly; `trainer/` holds the full training state (weights, optimizer, LR schedule,
@@ -26,6 +27,8 @@ from asyncrl.errors import UserError
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # a file in CHECKPOINTS holding the newest step directory's name
 POLICY = "policy"
+TRAINER = "trainer"  # the policy engine's full state (train/checkpoint.py)
+CRITIC = "critic"  # the critic engine's, when the run has one
 STATE = "state.json"
 STEP_NAME = re.compile(r"step_(\d+)")
 
@@ -60,9 +63,9 @@ def read_latest(checkpoints: Path) -> str | None:
 
 
 def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer: Any,
-                        keep: int) -> Path:
+                        keep: int, critic: Any = None) -> Path:
     """Every trainer rank calls this (the weights are gathered and saved collectively);
-    rank 0 writes the files."""
+    rank 0 writes the files. A critic (estimator gae) is saved under `critic/`."""
     from asyncrl.models.export import save_weights_dir
 
     final = step_dir(run_dir, state.step)
@@ -74,7 +77,9 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         save_weights_dir(weights, trainer.model.config, tmp / POLICY, tokenizer)
-    trainer.save(tmp / "trainer", extra_state={"loop": asdict(state)})
+    trainer.save(tmp / TRAINER, extra_state={"loop": asdict(state)})
+    if critic is not None:
+        critic.save(tmp / CRITIC)
     if not writer:
         return final
     (tmp / STATE).write_text(json.dumps(asdict(state), indent=2))

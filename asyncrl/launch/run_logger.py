@@ -234,7 +234,11 @@ PANELS: tuple[tuple[str, Any], ...] = (
     ("reward mean", lambda key: key == "reward/mean"),
     ("eval accuracy", lambda key: key in ("eval/greedy_accuracy", "eval/agent_reward",
                                           "eval/tool_call_frac") or key.startswith("eval/pass@")),
-    ("staleness", lambda key: key in ("staleness/mean", "staleness/max")),
+    ("staleness", lambda key: key in ("staleness/mean", "staleness/max")
+     or key.startswith("staleness/hist_")),
+    ("sampler vs trainer |logprob diff|",
+     lambda key: key.startswith("mismatch/logprob_diff_")),
+    ("importance weight tails", lambda key: key in ("mismatch/iw_p99", "mismatch/iw_max")),
 )
 ELAPSED_KEY = "time/elapsed_s"
 
@@ -259,7 +263,7 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     metrics_jsonl, out_png = Path(metrics_jsonl), Path(out_png)
     records = list(read_metrics(metrics_jsonl)) if metrics_jsonl.exists() else []
     series = _series(records)
-    fig = Figure(figsize=(15, 8), dpi=80, layout="constrained")
+    fig = Figure(figsize=(3.6 * len(PANELS), 8), dpi=80, layout="constrained")
     axes = fig.subplots(2, len(PANELS), squeeze=False)
     for col, (title, wanted) in enumerate(PANELS):
         keys = sorted(k for k in series if wanted(k))

@@ -38,7 +38,8 @@ from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rollout_engines import RolloutEngines, open_rollout_engines
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
-from asyncrl.launch.run_checkpoints import LoopState, latest_checkpoint, load_loop_state
+from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
+                                            load_loop_state)
 from asyncrl.launch.run_logger import RunLogger
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.trainer_group import (
@@ -46,6 +47,7 @@ from asyncrl.launch.trainer_group import (
     broadcast,
     is_distributed,
     leave_process_group,
+    load_critic,
     load_engine,
     rank,
 )
@@ -233,6 +235,10 @@ class Trainer:
             evaluator = resolve_evaluator(self.plugins.eval_workflow, workflow, ctx)
             engines.check = self._logprob_check(group, tokenizer)
             executor.run(engines.start_checks(group.trainer.version.value))
+            if engines.remote and group.trainer.version.value > 0:
+                # servers started from a checkpoint report version 0: one push labels them
+                executor.run(engines.push(group.state_dict(), group.trainer.version.value,
+                                          group.trainer.model.config, tokenizer))
             stream = DataStream(dataset.train_rows(), cfg.seed, state.data_position)
             logger = stack.enter_context(RunLogger(
                 self.run_dir, cfg.logging, config=cfg.model_dump(mode="json"),
@@ -271,13 +277,19 @@ class Trainer:
         train_cfg = cfg.train.model_copy(update={"total_steps": steps})
         trainer = load_engine(policy_dir, train_cfg, cfg.model.dtype)
         if self.ckpt is not None:
-            trainer.load(self.ckpt / "trainer")  # weights, optimizer, RNG and the version
+            trainer.load(self.ckpt / TRAINER)  # weights, optimizer, RNG and the version
         ref = None
         if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
             ref = load_engine(self.base, train_cfg.model_copy(update={"trainable": False}),
                               cfg.model.dtype)
+        critic = None
+        if cfg.actor.advantage.estimator == "gae":  # a fresh value head on the base model's body
+            critic = load_critic(self.base, cfg.critic.model_copy(update={"total_steps": steps}),
+                                 cfg.model.dtype)
+            if self.ckpt is not None:
+                critic.load(self.ckpt / CRITIC)
         loss: PolicyLoss | None = resolve_loss(self.plugins.loss, cfg)
-        return TrainerGroup(trainer, cfg.actor, ref, tokenizer, loss)
+        return TrainerGroup(trainer, cfg.actor, ref, tokenizer, loss, critic)
 
 
 def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]

@@ -150,6 +150,10 @@ class TrainRunConfig(Config):
     actor: PPOActorConfig = PPOActorConfig(proximal=ProximalConfig(proximal_logprobs="loglinear"))
     train: TrainEngineConfig = TrainEngineConfig(
         optimizer=OptimizerConfig(lr=2e-4, warmup_steps=5, schedule="constant"))
+    # advantage.estimator gae: the critic, a value head on the policy's body trained alongside
+    # (checkpointed with the run, sharded like the policy under torchrun)
+    critic: TrainEngineConfig = TrainEngineConfig(
+        optimizer=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant"))
     inference: InferenceLaunchConfig = InferenceLaunchConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()

@@ -44,6 +44,15 @@ def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str) -> HFTrainEngine
     return FSDPTrainEngine(load_causal_lm(path, dtype=dtype), cfg)
 
 
+def load_critic(path: Path, cfg: TrainEngineConfig, dtype: str) -> HFTrainEngine:
+    """A value head on the policy's body: CriticEngine, sharded like the policy under torchrun."""
+    from asyncrl.models.loading import load_causal_lm
+    from asyncrl.train.critic import CriticEngine, ValueModel, fsdp_critic_engine
+
+    model = ValueModel(load_causal_lm(path, dtype=dtype))
+    return fsdp_critic_engine(model, cfg) if is_distributed() else CriticEngine(model, cfg)
+
+
 def leave_process_group() -> None:
     """Tear the process group down before exit (every rank): gloo's threads left running at
     interpreter exit abort the process ("terminate called without an active exception")."""
@@ -69,10 +78,11 @@ def broadcast(obj: Any) -> Any:
 
 class TrainerGroup:
     def __init__(self, trainer: HFTrainEngine, actor_cfg: PPOActorConfig,
-                 ref: HFTrainEngine | None, tokenizer: Any, loss: PolicyLoss | None = None) -> None:
+                 ref: HFTrainEngine | None, tokenizer: Any, loss: PolicyLoss | None = None,
+                 critic: HFTrainEngine | None = None) -> None:
         """`loss`: None for the built-in PPO loss; every rank must be given the same one."""
-        self.trainer, self.tokenizer = trainer, tokenizer
-        self.actor = PPOActor(trainer, actor_cfg, ref, loss)
+        self.trainer, self.tokenizer, self.critic = trainer, tokenizer, critic
+        self.actor = PPOActor(trainer, actor_cfg, ref, loss, critic)
         self.distributed = is_distributed()
 
     def _command(self, name: str, payload: Any = None) -> None:
@@ -97,7 +107,8 @@ class TrainerGroup:
 
     def checkpoint(self, run_dir: Path, state: LoopState, keep: int) -> Path:
         self._command("checkpoint", (run_dir, state, keep))
-        return save_run_checkpoint(run_dir, state, self.trainer, self.tokenizer, keep)
+        return save_run_checkpoint(run_dir, state, self.trainer, self.tokenizer, keep,
+                                   self.critic)
 
     def stop(self) -> None:
         self._command("stop")
@@ -114,7 +125,8 @@ class TrainerGroup:
             elif name == "state_dict":
                 self.trainer.model_state_dict()
             elif name == "checkpoint":
-                save_run_checkpoint(*payload[:2], self.trainer, self.tokenizer, payload[2])
+                save_run_checkpoint(*payload[:2], self.trainer, self.tokenizer, payload[2],
+                                    self.critic)
             elif name == "stop":
                 return
             else:

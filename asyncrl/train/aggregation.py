@@ -18,9 +18,9 @@ Aggregation modes and what `normalizer` must be (computed over the whole step wi
                          sequences with >= 1 loss token (verl's seq-mean-token-sum). Pass
                          num_sequences * max_response_len instead for Dr.GRPO's constant.
 
-Token mode is shape-agnostic (any [B, T] or packed [N]); the sequence modes read sequences off
-the last dimension, so they need a padded [B, T] layout (a packed [N] tensor has no sequence
-boundaries here; unpad/repad before calling).
+Token mode is shape-agnostic (any [B, T] or packed [N]). The sequence modes read sequences off
+the last dimension of a padded [B, T] layout, or, for a packed [N] micro-batch, off `seq_id` [N]
+(which sample each token belongs to, as the trainer packs it).
 """
 
 from __future__ import annotations
@@ -43,49 +43,79 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(x, mask) / mask.bool().sum().clamp(min=1)
 
 
-def _require_sequences(x: torch.Tensor, what: str) -> None:
-    if x.ndim < 2:
+def _require_sequences(x: torch.Tensor, seq_id: torch.Tensor | None, what: str) -> None:
+    if x.ndim < 2 and seq_id is None:
         raise ValueError(
-            f"{what} needs a padded [B, T] layout; got a tensor of shape {tuple(x.shape)} "
-            "(a packed [N] batch has no sequence boundaries here)"
+            f"{what} needs a padded [B, T] layout or the packed batch's seq_id; got a tensor of "
+            f"shape {tuple(x.shape)} and no seq_id"
         )
 
 
-def per_sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x [B, T], mask [B, T] -> [B]: mean over each row's masked tokens (0 for an empty row)."""
-    _require_sequences(x, "a per-sequence mean")
+def _segments(x: torch.Tensor, mask: torch.Tensor, seq_id: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed [N] -> per-sequence (masked sum, masked count), each [num_sequences]."""
+    m = mask.bool()
+    n = int(seq_id.max()) + 1 if seq_id.numel() else 0
+    values = torch.where(m, x, torch.zeros_like(x))
+    total = values.new_zeros(n).index_add(0, seq_id, values)
+    count = values.new_zeros(n).index_add(0, seq_id, m.to(values.dtype))
+    return total, count
+
+
+def per_sequence_mean(x: torch.Tensor, mask: torch.Tensor,
+                      seq_id: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over each sequence's masked tokens (0 for a sequence without any): x, mask [B, T]
+    -> [B]; or packed x, mask, seq_id [N] -> [number of sequences]."""
+    _require_sequences(x, seq_id, "a per-sequence mean")
+    if seq_id is not None and x.ndim == 1:
+        total, count = _segments(x, mask, seq_id)
+        return total / count.clamp(min=1)
     m = mask.bool()
     total = torch.where(m, x, torch.zeros_like(x)).sum(-1)
     return total / m.sum(-1).clamp(min=1)
 
 
-def _token_sum(loss_tok: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def broadcast_to_tokens(per_seq: torch.Tensor, like: torch.Tensor,
+                        seq_id: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-sequence value on each of its tokens: [B] -> [B, T], or [S] -> [N] via seq_id."""
+    if seq_id is not None and like.ndim == 1:
+        return per_seq[seq_id]
+    return per_seq.unsqueeze(-1).expand_as(like)
+
+
+def _token_sum(loss_tok: torch.Tensor, mask: torch.Tensor,
+               seq_id: torch.Tensor | None) -> torch.Tensor:
     return masked_sum(loss_tok, mask)
 
 
-def _seq_mean_sum(loss_tok: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return per_sequence_mean(loss_tok, mask).sum()
+def _seq_mean_sum(loss_tok: torch.Tensor, mask: torch.Tensor,
+                  seq_id: torch.Tensor | None) -> torch.Tensor:
+    return per_sequence_mean(loss_tok, mask, seq_id).sum()
 
 
-def _token_count(mask: torch.Tensor) -> torch.Tensor:
+def _token_count(mask: torch.Tensor, seq_id: torch.Tensor | None) -> torch.Tensor:
     return mask.bool().sum()
 
 
-def _sequence_count(mask: torch.Tensor) -> torch.Tensor:
-    _require_sequences(mask, "a sequence-level normaliser")
+def sequence_count(mask: torch.Tensor, seq_id: torch.Tensor | None) -> torch.Tensor:
+    _require_sequences(mask, seq_id, "a sequence-level normaliser")
+    if seq_id is not None and mask.ndim == 1:
+        return (_segments(mask.float(), mask, seq_id)[1] > 0).sum()
     return mask.bool().any(-1).sum()
 
 
+Reduce = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
 # Numerator of each mode before division by the normaliser.
-_NUMERATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+_NUMERATORS: dict[str, Reduce] = {
     "token_mean": _token_sum,
     "seq_mean_token_mean": _seq_mean_sum,
     "seq_mean_token_sum": _token_sum,
 }
-_COUNTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+_COUNTS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
     "token_mean": _token_count,
-    "seq_mean_token_mean": _sequence_count,
-    "seq_mean_token_sum": _sequence_count,
+    "seq_mean_token_mean": sequence_count,
+    "seq_mean_token_sum": sequence_count,
 }
 
 
@@ -99,17 +129,27 @@ def aggregate(
     loss_mask: torch.Tensor,
     normalizer: float | torch.Tensor,
     loss_agg: LossAgg = "token_mean",
+    seq_id: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token loss [B, T] (or [N] for token_mean) -> scalar, see the module docstring."""
+    """Per-token loss [B, T] (or packed [N], with seq_id for the sequence modes) -> scalar, see
+    the module docstring."""
     _check_agg(loss_agg)
-    return _NUMERATORS[loss_agg](loss_tok, loss_mask) / normalizer
+    return _NUMERATORS[loss_agg](loss_tok, loss_mask, seq_id) / normalizer
 
 
-def loss_normalizer(loss_mask: torch.Tensor, loss_agg: LossAgg = "token_mean") -> torch.Tensor:
-    """The count `aggregate` divides by, for the step's full loss_mask [B, T].
+def normalizer_unit(loss_agg: LossAgg) -> str:
+    """What the step's normaliser counts for this mode: "tokens" or "sequences"."""
+    _check_agg(loss_agg)
+    return "tokens" if loss_agg == "token_mean" else "sequences"
+
+
+def loss_normalizer(loss_mask: torch.Tensor, loss_agg: LossAgg = "token_mean",
+                    seq_id: torch.Tensor | None = None) -> torch.Tensor:
+    """The count `aggregate` divides by, for the step's full loss_mask [B, T] (or packed [N]
+    with seq_id).
 
     Call it on the whole step's batch (or sum it over micro-batches and ranks), then pass the
     same value to every micro-batch. Clamped to >= 1 so an all-masked step gives loss 0, not nan.
     """
     _check_agg(loss_agg)
-    return _COUNTS[loss_agg](loss_mask).clamp(min=1)
+    return _COUNTS[loss_agg](loss_mask, seq_id).clamp(min=1)

@@ -84,9 +84,12 @@ class CriticEngine(HFTrainEngine):
 
         return cls(ValueModel(load_causal_lm(path, dtype=dtype)), cfg)
 
-    def packed_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
+    def _token_outputs(self, mb: PackedMicroBatch, with_entropy: bool
+                       ) -> tuple[torch.Tensor, None]:
         """The engine's per-token output hook: here input-aligned values [N] (float32)."""
-        return self.packed_values(mb)
+        if with_entropy:
+            raise ValueError("a critic has no token distribution; with_entropy is for policies")
+        return self.packed_values(mb), None
 
     _prefix_kwargs: dict[str, Any] = {}
 
@@ -117,7 +120,21 @@ def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:
             raise ValueError("critic loss needs token_data['returns'] (GAE targets per token); "
                              f"got fields {sorted(tensors)}")
         old = tensors.get("old_values", values.detach())
-        return critic_value_loss(values, old, tensors["returns"], mb.loss_mask,
+        mask = mb.loss_mask
+        if "adv_loss_mask" in tensors:  # tokens the advantage estimator dropped (truncation)
+            mask = mask & tensors["adv_loss_mask"].bool()
+        return critic_value_loss(values, old, tensors["returns"], mask,
                                  normalizer, value_eps_clip=value_eps_clip)
 
     return loss_fn
+
+
+def fsdp_critic_engine(model: torch.nn.Module, cfg: TrainEngineConfig | None = None
+                       ) -> CriticEngine:
+    """A critic sharded with FSDP2 across the torchrun ranks (every rank calls every method)."""
+    from asyncrl.train.fsdp import FSDPTrainEngine
+
+    class FSDPCriticEngine(CriticEngine, FSDPTrainEngine):
+        """CriticEngine's value outputs on FSDPTrainEngine's sharding and collectives."""
+
+    return FSDPCriticEngine(model, cfg)

@@ -23,7 +23,9 @@ import torch
 from asyncrl.api.trajectory import Sample
 from asyncrl.api.version import PolicyVersion
 from asyncrl.config import Config
+from asyncrl.train.aggregation import sequence_count
 from asyncrl.train.logprobs import gather_logprobs
+from asyncrl.train.regularizers import entropy_from_logits
 from asyncrl.train.losses import sft_loss
 from asyncrl.train.optim import OptimizerConfig, build_optimizer
 from asyncrl.train.packing import (
@@ -229,13 +231,22 @@ class HFTrainEngine:
     def packed_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor:
         """Input-aligned logprobs [N] of one packed micro-batch (grad follows the caller's mode);
         0 at the first token of each sample and inside a shared prefix (never trained on)."""
+        return self._token_outputs(mb, with_entropy=False)[0]
+
+    def _token_outputs(self, mb: PackedMicroBatch, with_entropy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Input-aligned logprobs [N] and, when asked, the entropy [N] of the distribution each
+        token was drawn from (same temperature), both with grad."""
         mb = mb.to(self.device)
         logits, computed = self.model_outputs(mb)
         labels = torch.roll(mb.input_ids[0], -1)
-        nxt = gather_logprobs(logits, labels, self.cfg.temperature)
+        outs = [gather_logprobs(logits, labels, self.cfg.temperature)]
+        if with_entropy:
+            outs.append(entropy_from_logits(logits, self.cfg.temperature))
         if computed is not None:
-            nxt = nxt.masked_fill(~computed, 0.0)
-        return next_token_logprobs_aligned(nxt, mb)
+            outs = [x.masked_fill(~computed, 0.0) for x in outs]
+        aligned = [next_token_logprobs_aligned(x, mb) for x in outs]
+        return aligned[0], aligned[1] if with_entropy else None
 
     def _plan(
         self, samples: Sequence[Sample], token_data: TokenData | None
@@ -278,19 +289,26 @@ class HFTrainEngine:
         samples: Sequence[Sample],
         loss_fn: MicroBatchLossFn,
         token_data: TokenData | None = None,
+        normalize_by: str = "tokens",
+        with_entropy: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over `samples`; `token_data` adds input-aligned per-token fields
-        (advantages, proximal_logprobs, ...) to the tensors `loss_fn` receives."""
+        (advantages, proximal_logprobs, ...) to the tensors `loss_fn` receives.
+
+        `normalize_by`: the step's normaliser counts trained "tokens" or "sequences" (those
+        with >= 1 trained token), over every micro-batch and rank. `with_entropy`: the
+        micro-batch also carries `tensors["entropy"]` [N] with grad."""
         if self.optimizer is None:
             raise ValueError("train_batch on a forward-only engine (trainable=False); "
                              "set trainable=True to train this model")
         if not samples:
             raise ValueError("train_batch needs at least one sample; got an empty batch")
+        if normalize_by not in ("tokens", "sequences"):
+            raise ValueError(f"normalize_by={normalize_by!r}; allowed: tokens, sequences")
         self.model.train()
         mbs, count = self._plan(samples, token_data)
-        local_tokens = sum(mb.loss_mask.sum() for mb in mbs) if mbs else torch.tensor(0)
-        normalizer = self._dist_sum(torch.as_tensor(local_tokens, dtype=torch.float32,
-                                                    device=self.device)).clamp(min=1)
+        tokens = self._global_count(mbs, "tokens")
+        normalizer = tokens if normalize_by == "tokens" else self._global_count(mbs, normalize_by)
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = torch.zeros((), device=self.device)
         weighted: dict[str, float] = {}
@@ -299,13 +317,24 @@ class HFTrainEngine:
                 self.packed_logprobs(self._dummy_micro_batch()).sum().mul(0.0).backward()
                 continue
             mb = mbs[k].to(self.device)
-            loss, stats = loss_fn(self.packed_logprobs(mb), mb, normalizer)
+            logprobs, entropy = self._token_outputs(mb, with_entropy)
+            if entropy is not None:
+                mb.tensors["entropy"] = entropy
+            loss, stats = loss_fn(logprobs, mb, normalizer)
             loss.backward()
             total_loss += loss.detach()
-            w = float(mb.loss_mask.sum()) / float(normalizer)
+            w = float(mb.loss_mask.sum()) / float(tokens)  # stats: token-weighted means
             for name, value in stats.items():
                 weighted[name] = weighted.get(name, 0.0) + w * value
-        return self._finish_step(total_loss, weighted, normalizer, count)
+        return self._finish_step(total_loss, weighted, tokens, count)
+
+    def _global_count(self, mbs: list[PackedMicroBatch], unit: str) -> torch.Tensor:
+        """Trained tokens, or sequences with a trained token, over this step on every rank."""
+        local = torch.zeros((), dtype=torch.float32)
+        for mb in mbs:
+            local += (mb.loss_mask.sum() if unit == "tokens"
+                      else sequence_count(mb.loss_mask, mb.seq_id))
+        return self._dist_sum(local.to(self.device)).clamp(min=1)
 
     def _finish_step(
         self, total_loss: torch.Tensor, stats: dict[str, float], normalizer: torch.Tensor, n_mb: int

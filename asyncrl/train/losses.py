@@ -20,7 +20,6 @@ advantages without a critic (`grpo_loss`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import pydantic
@@ -30,7 +29,8 @@ from asyncrl.api.loss import LossInputs
 from asyncrl.api.validation import check_range
 from asyncrl.config import Config
 from asyncrl.train.advantages import expand_to_tokens, grpo_advantages
-from asyncrl.train.aggregation import LossAgg, aggregate, masked_mean, per_sequence_mean
+from asyncrl.train.aggregation import LossAgg, aggregate, masked_mean, normalizer_unit
+from asyncrl.train.corrections import bound_weights, cispo_token_loss, log_weights
 from asyncrl.train.regularizers import KLKind, kl_penalty
 
 
@@ -54,10 +54,17 @@ class PPOLossConfig(Config):
     eps_clip_higher: float | None = pydantic.Field(None, gt=0.0)
     # Dual clip: bounds the loss of a negative-advantage token whose ratio has exploded.
     c_clip: float | None = pydantic.Field(None, gt=1.0)
-    # Bound on pi_prox / pi_behav for stale tokens; None trusts the raw weight.
+    # Bound on w = pi_prox / pi_behav (staleness and sampler mismatch, see corrections.py);
+    # None trusts the raw weight. cap: truncated IS; mask: masked IS; icepop: two-sided masking
+    # (also below behav_imp_weight_floor, default 1 / cap).
     behav_imp_weight_cap: float | None = pydantic.Field(None, gt=1.0)
-    behav_imp_weight_mode: Literal["cap", "mask"] = "cap"
-    ratio_level: Literal["token", "sequence"] = "token"
+    behav_imp_weight_mode: Literal["cap", "mask", "icepop"] = "cap"
+    behav_imp_weight_floor: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
+    # token: one weight per token; sequence: per sequence (geometric mean); None: ratio_level's
+    behav_imp_weight_level: Literal["token", "sequence"] | None = None
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE (corrections.py)
+    policy_objective: Literal["ppo", "cispo"] = "ppo"
     loss_agg: LossAgg = "token_mean"
     entropy_coef: float = pydantic.Field(0.0, ge=0.0)
     kl_coef: float = pydantic.Field(0.0, ge=0.0)
@@ -70,25 +77,28 @@ class PPOLossConfig(Config):
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher
 
+    @property
+    def weight_level(self) -> str:
+        return self.behav_imp_weight_level or self.ratio_level
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> PPOLossConfig:
+        if self.behav_imp_weight_mode == "icepop" and self.behav_imp_weight_cap is None:
+            raise ValueError("behav_imp_weight_mode='icepop' needs behav_imp_weight_cap (the upper "
+                             "bound; the lower is behav_imp_weight_floor, default 1 / cap)")
+        if self.behav_imp_weight_floor is not None and self.behav_imp_weight_mode != "icepop":
+            raise ValueError(f"behav_imp_weight_floor={self.behav_imp_weight_floor} applies to "
+                             "behav_imp_weight_mode='icepop' only")
+        if self.policy_objective == "cispo" and (self.ratio_level != "token" or self.c_clip):
+            raise ValueError("policy_objective='cispo' clips a per-token weight: it takes "
+                             "ratio_level='token' and no c_clip")
+        return self
+
 
 def _zeros_bool(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x, dtype=torch.bool)
 
 
-def _seq_to_tokens(per_seq: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return per_seq.unsqueeze(-1).expand_as(like)
-
-
-def _log_ratio(
-    delta: torch.Tensor, mask: torch.Tensor, level: Literal["token", "sequence"]
-) -> torch.Tensor:
-    """Per-token log importance ratio; GSPO's sequence level uses the mean over the sequence,
-    i.e. the log of the length-normalised sequence likelihood ratio, broadcast to its tokens."""
-    # Zero on padding so exp() of garbage logprobs there can never overflow into the loss.
-    delta = torch.where(mask, delta, torch.zeros_like(delta))
-    if level == "sequence":
-        return _seq_to_tokens(per_sequence_mean(delta, mask), delta)
-    return delta
 
 
 def _clipped_surrogate(
@@ -109,31 +119,15 @@ def _clipped_surrogate(
     return torch.where(dual_mask, pg3, pg), clip_mask, dual_mask
 
 
-def _cap(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tensor:
-    return w.clamp(max=cap)
-
-
-def _mask(w: torch.Tensor, over: torch.Tensor, cap: float) -> torch.Tensor:
-    return torch.where(over, torch.zeros_like(w), w)
-
-
-_WEIGHT_BOUNDS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "cap": _cap,
-    "mask": _mask,
-}
-
-
 def _behaviour_weight(
-    proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: PPOLossConfig
+    proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: PPOLossConfig,
+    seq_id: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w = pi_prox / pi_behav per token (per sequence, geometric mean, when ratio_level is
-    "sequence", to match the ratio it multiplies), bounded per cfg; also the over-cap mask."""
-    w = torch.exp(_log_ratio(proximal - behaviour, mask, cfg.ratio_level))
-    if cfg.behav_imp_weight_cap is None:
-        return w, _zeros_bool(w)
-    over = (w > cfg.behav_imp_weight_cap) & mask
-    bound = _WEIGHT_BOUNDS[cfg.behav_imp_weight_mode]
-    return bound(w, over, cfg.behav_imp_weight_cap), over
+    """w = pi_prox / pi_behav per token (or per sequence), bounded per cfg (corrections.py);
+    also the positions the bound truncated or dropped."""
+    w = torch.exp(log_weights(proximal - behaviour, mask, cfg.weight_level, seq_id))
+    return bound_weights(w, mask, cfg.behav_imp_weight_mode, cfg.behav_imp_weight_cap,
+                         cfg.behav_imp_weight_floor)
 
 
 def ppo_policy_loss(
@@ -144,25 +138,30 @@ def ppo_policy_loss(
     loss_mask: torch.Tensor,
     normalizer: float | torch.Tensor,
     cfg: PPOLossConfig,
+    seq_id: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO policy loss (formula in the module docstring).
 
-    All per-token tensors share one shape, [B, T] (or packed [N] with ratio_level="token" and
-    loss_agg="token_mean"): logprobs under the parameters being trained (with grad), proximal and
-    behaviour logprobs, advantages (all three treated as constants), loss_mask (1 = train).
-    Tokens dropped by behav_imp_weight_mode="mask" still count in `normalizer`, so dropping a
-    token shrinks the step instead of reweighting the surviving tokens.
+    All per-token tensors share one shape, [B, T] or packed [N] (then `seq_id` [N] says which
+    sequence each token belongs to, for ratio_level="sequence" and the seq_mean_* modes):
+    logprobs under the parameters being trained (with grad), proximal and behaviour logprobs,
+    advantages (all three treated as constants), loss_mask (1 = train). Tokens dropped by a
+    masking correction still count in `normalizer`, so dropping a token shrinks the step
+    instead of reweighting the surviving tokens.
     """
     mask = loss_mask.bool()
     proximal = proximal_logprobs.detach()
     adv = advantages.detach().to(logprobs.dtype)
-    log_ratio = _log_ratio(logprobs - proximal, mask, cfg.ratio_level)
-    ratio = torch.exp(log_ratio)
-    pg, clip_mask, dual_mask = _clipped_surrogate(ratio, adv, cfg)
-    weight, over_cap = _behaviour_weight(proximal, behaviour_logprobs.detach(), mask, cfg)
+    ratio = torch.exp(log_weights(logprobs - proximal, mask, cfg.ratio_level, seq_id))
+    if cfg.policy_objective == "cispo":
+        pg, clip_mask = cispo_token_loss(logprobs, ratio, adv, cfg.eps_clip, cfg.clip_high)
+        dual_mask = _zeros_bool(pg)
+    else:
+        pg, clip_mask, dual_mask = _clipped_surrogate(ratio, adv, cfg)
+    weight, over_cap = _behaviour_weight(proximal, behaviour_logprobs.detach(), mask, cfg, seq_id)
     pg = pg * weight
-    loss = aggregate(pg, mask, normalizer, cfg.loss_agg)
-    dropped = cfg.behav_imp_weight_mode == "mask"
+    loss = aggregate(pg, mask, normalizer, cfg.loss_agg, seq_id)
+    dropped = cfg.behav_imp_weight_mode in ("mask", "icepop")
     with torch.no_grad():
         token_log_ratio = torch.where(mask, logprobs - proximal, torch.zeros_like(proximal))
         k3_prox_new = torch.expm1(token_log_ratio) - token_log_ratio
@@ -193,27 +192,29 @@ def ppo_actor_loss(
     cfg: PPOLossConfig,
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    seq_id: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss - entropy_coef * entropy + kl_coef * KL(pi || ref) (the last when kl_as="loss").
 
     entropy [B, T] per token with grad (`entropy_from_logits`), ref_logprobs [B, T]; both are
-    aggregated like the policy term, with the same normaliser.
+    aggregated like the policy term, with the same normaliser (packed [N]: with `seq_id`).
     """
     loss, stats = ppo_policy_loss(
-        logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, normalizer, cfg
-    )
+        logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, normalizer, cfg,
+        seq_id)
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token `entropy`")
     if entropy is not None:
         stats["actor/entropy"] = float(masked_mean(entropy.detach(), loss_mask))
         if cfg.entropy_coef > 0:
-            loss = loss - cfg.entropy_coef * aggregate(entropy, loss_mask, normalizer, cfg.loss_agg)
+            loss = loss - cfg.entropy_coef * aggregate(entropy, loss_mask, normalizer,
+                                                       cfg.loss_agg, seq_id)
     if cfg.kl_coef > 0 and cfg.kl_as == "loss":
         if ref_logprobs is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} with kl_as='loss' needs `ref_logprobs`")
         kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_kind)
         stats["actor/kl_ref"] = float(masked_mean(kl.detach(), loss_mask))
-        loss = loss + cfg.kl_coef * aggregate(kl, loss_mask, normalizer, cfg.loss_agg)
+        loss = loss + cfg.kl_coef * aggregate(kl, loss_mask, normalizer, cfg.loss_agg, seq_id)
     stats["actor/loss"] = float(loss.detach())
     return loss, stats
 
@@ -224,12 +225,16 @@ class PPOLoss:
 
     def __init__(self, cfg: PPOLossConfig | None = None) -> None:
         self.cfg = cfg or PPOLossConfig()
+        # what the trainer's step normaliser counts (aggregation.py): tokens or sequences
+        self.normalize_by = normalizer_unit(self.cfg.loss_agg)
+        self.needs_entropy = self.cfg.entropy_coef > 0
 
     def __call__(self, logprobs: torch.Tensor, inputs: LossInputs, normalizer: torch.Tensor
                  ) -> tuple[torch.Tensor, dict[str, float]]:
         return ppo_actor_loss(logprobs, inputs.proximal_logprobs, inputs.behaviour_logprobs,
                               inputs.advantages, inputs.loss_mask, normalizer, self.cfg,
-                              ref_logprobs=inputs.ref_logprobs)
+                              entropy=inputs.entropy, ref_logprobs=inputs.ref_logprobs,
+                              seq_id=inputs.seq_id)
 
 
 def grpo_loss(

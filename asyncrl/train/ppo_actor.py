@@ -22,8 +22,11 @@ from asyncrl.api.loss import LossInputs, PolicyLoss
 from asyncrl.api.trajectory import Sample, Trajectory
 from asyncrl.config import Config
 from asyncrl.train.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
+from asyncrl.train.critic import critic_token_loss
+from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.losses import PPOLoss, PPOLossConfig
+from asyncrl.train.mismatch import MismatchMonitor
 from asyncrl.train.packing import PackedMicroBatch
 from asyncrl.train.proximal import ProximalConfig, approx_proximal_logprobs
 
@@ -36,6 +39,9 @@ class PPOActorConfig(Config):
     # advantages stay those of the start of the batch, so from the second step on the PPO clip
     # bounds how far the policy moves. The policy version still advances by one per batch.
     ppo_n_minibatches: int = pydantic.Field(1, ge=1)
+    # estimator gae: the critic (a value head on the policy's body, trained alongside) clips
+    # its update around the values it had when the batch arrived; None: no clip
+    value_eps_clip: float | None = pydantic.Field(0.2, gt=0.0)
     # The policy loss: "ppo" (losses.PPOLoss with `ppo` above) or a user's `package.module:obj`
     # implementing api.PolicyLoss; a class (or factory) there is called with `loss_kwargs`.
     loss: str = pydantic.Field("ppo", description="ppo | package.module:LossClassOrFunction")
@@ -78,6 +84,14 @@ def _padded_mask(samples: Sequence[Sample]) -> torch.Tensor:
     return out
 
 
+def _padded(rows: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """One tensor per sample -> [N, T] like `like`, right-padded with zeros."""
+    out = torch.zeros_like(like, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r.float()
+    return out
+
+
 def _rows(x: torch.Tensor, samples: Sequence[Sample]) -> list[torch.Tensor]:
     """[N, T] padded -> one unpadded row per sample (views, no copy)."""
     return [x[i, : len(s.input_ids)] for i, s in enumerate(samples)]
@@ -87,35 +101,54 @@ class PPOActor:
     """Owns no model: drives a trainable `HFTrainEngine` (and an optional frozen reference)."""
 
     def __init__(self, engine: HFTrainEngine, cfg: PPOActorConfig,
-                 ref: HFTrainEngine | None = None, loss: PolicyLoss | None = None) -> None:
+                 ref: HFTrainEngine | None = None, loss: PolicyLoss | None = None,
+                 critic: HFTrainEngine | None = None) -> None:
         if cfg.ppo.kl_coef > 0 and ref is None:
             raise ValueError(f"ppo.kl_coef={cfg.ppo.kl_coef} > 0 needs a reference model; "
                              "pass ref=HFTrainEngine(..., trainable=False) or set ppo.kl_coef=0")
         if cfg.ppo.kl_coef > 0 and cfg.ppo.kl_as == "reward" and cfg.advantage.estimator != "gae":
             raise ValueError(f"ppo.kl_as='reward' needs advantage.estimator='gae' (per-token "
                              f"rewards); got {cfg.advantage.estimator!r}; use ppo.kl_as='loss'")
-        if cfg.ppo.entropy_coef > 0:
-            raise ValueError(f"ppo.entropy_coef={cfg.ppo.entropy_coef}: the actor's train engine "
-                             "returns logprobs only, so the entropy bonus is not available here; "
-                             "allowed: 0")
-        self.engine, self.cfg, self.ref = engine, cfg, ref
+        if (cfg.advantage.estimator == "gae") != (critic is not None):
+            raise ValueError(f"advantage.estimator={cfg.advantage.estimator!r} "
+                             + ("needs a critic (critic=CriticEngine(...))" if critic is None
+                                else "takes no critic; only 'gae' uses one"))
+        self.engine, self.cfg, self.ref, self.critic = engine, cfg, ref, critic
         self.loss: PolicyLoss = loss if loss is not None else PPOLoss(cfg.ppo)
         self._batch_version = engine.version.value  # the weights the current batch started from
+        self.monitor = MismatchMonitor()
+        self._watching = False
 
     def token_data(self, samples: Sequence[Sample], groups: torch.Tensor
                    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
-        """Per-token advantages (+ proximal / reference logprobs) for the whole batch."""
-        inputs = AdvantageInputs(
-            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-            loss_mask=_padded_mask(samples), group_ids=groups,
-            truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool))
-        result = compute_advantages(inputs, self.cfg.advantage)
-        data = {"advantages": _rows(result.advantages, samples),
-                "adv_loss_mask": _rows(result.loss_mask.float(), samples)}
-        if self.cfg.proximal.needs_forward_pass:
-            data["proximal_logprobs"] = self.engine.forward(samples)
+        """Per-token advantages (+ proximal / reference logprobs, the critic's values and
+        returns) for the whole batch."""
+        mask = _padded_mask(samples)
+        data: dict[str, list[torch.Tensor]] = {}
         if self.ref is not None:
             data["ref_logprobs"] = self.ref.forward(samples)
+        values = token_rewards = None
+        if self.critic is not None:
+            data["old_values"] = self.critic.forward(samples)
+            values = _padded(data["old_values"], mask)
+            if self.cfg.ppo.kl_coef > 0 and self.cfg.ppo.kl_as == "reward":
+                behaviour = _padded([torch.tensor(s.logprobs) for s in samples], mask)
+                token_rewards = kl_reward(torch.zeros_like(mask), behaviour,
+                                          _padded(data["ref_logprobs"], mask), mask,
+                                          self.cfg.ppo.kl_coef, self.cfg.ppo.kl_kind)
+        inputs = AdvantageInputs(
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            loss_mask=mask, group_ids=groups, values=values, token_rewards=token_rewards,
+            truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool))
+        result = compute_advantages(inputs, self.cfg.advantage)
+        data["advantages"] = _rows(result.advantages, samples)
+        data["adv_loss_mask"] = _rows(result.loss_mask.float(), samples)
+        if result.returns is not None:
+            data["returns"] = _rows(result.returns, samples)
+        if self.cfg.proximal.needs_forward_pass:
+            data["proximal_logprobs"] = self.engine.forward(samples)
+        if token_rewards is not None:
+            result.stats["actor/kl_reward_mean"] = float(-token_rewards.sum() / mask.sum().clamp(min=1))
         return data, result.stats
 
     def loss_inputs(self, logprobs: torch.Tensor, mb: PackedMicroBatch) -> LossInputs:
@@ -132,12 +165,15 @@ class PPOActor:
         return LossInputs(
             loss_mask=mb.loss_mask & t["adv_loss_mask"].bool(), behaviour_logprobs=behaviour,
             proximal_logprobs=proximal, advantages=t["advantages"], versions=mb.versions,
-            seq_id=mb.seq_id, ref_logprobs=t.get("ref_logprobs"),
+            seq_id=mb.seq_id, ref_logprobs=t.get("ref_logprobs"), entropy=t.get("entropy"),
             policy_version=self._batch_version)
 
     def _micro_batch_loss(self, logprobs: torch.Tensor, mb: PackedMicroBatch,
                           normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        return self.loss(logprobs, self.loss_inputs(logprobs, mb), normalizer)
+        inputs = self.loss_inputs(logprobs, mb)
+        if self._watching:  # the first minibatch: the weights the batch started from
+            self.monitor.add(logprobs, inputs)
+        return self.loss(logprobs, inputs, normalizer)
 
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """`ppo_n_minibatches` optimizer steps, then the policy version advances by one; returns
@@ -148,12 +184,23 @@ class PPOActor:
         data, stats = self.token_data(samples, groups)
         self._batch_version = self.engine.version.value
         per_mb: list[dict[str, float]] = []
-        for part in minibatches(groups, self.cfg.ppo_n_minibatches):
+        for k, part in enumerate(minibatches(groups, self.cfg.ppo_n_minibatches)):
+            self._watching = k == 0
             per_mb.append(self.engine.train_batch(
                 [samples[i] for i in part], self._micro_batch_loss,
-                {k: [v[i] for i in part] for k, v in data.items()}))
+                {k: [v[i] for i in part] for k, v in data.items()},
+                normalize_by=getattr(self.loss, "normalize_by", "tokens"),
+                with_entropy=bool(getattr(self.loss, "needs_entropy", False))))
+        self._watching = False
         self.engine.version.advance()
         for key in per_mb[0]:
             stats[key] = sum(st.get(key, 0.0) for st in per_mb) / len(per_mb)
+        stats.update(self.monitor.summary())
+        if self.critic is not None:  # the critic regresses on this batch's GAE returns
+            critic_data = {k: data[k] for k in ("returns", "old_values", "adv_loss_mask")}
+            critic_stats = self.critic.train_batch(
+                samples, critic_token_loss(self.cfg.value_eps_clip), critic_data)
+            stats.update({k: v for k, v in critic_stats.items() if k.startswith("critic/")})
+            stats["critic/grad_norm"] = critic_stats.get("train/grad_norm", 0.0)
         stats["ppo/minibatches"] = float(len(per_mb))
         return stats

@@ -1,0 +1,52 @@
+"""How far the sampler's logprobs are from the trainer's, per step (the mismatch monitor).
+
+Engines and trainers compute the same policy with different kernels, batch shapes and precision;
+when the two drift apart the importance weights explode and runs collapse (peers' users report
+it). Each step the PPO actor feeds the monitor the trainer's logprobs of the batch under the
+weights the step started from, before any update:
+
+- `mismatch/logprob_diff_{mean,p99,max}`: |trainer - sampler| logprob on trained tokens the
+  sampler generated with those same weights (version == the batch's policy version), so
+  staleness does not enter; `mismatch/fresh_tokens` counts them (0: no fresh token this step,
+  e.g. every token is stale at eta > 0, and the diff metrics are absent).
+- `mismatch/iw_{p99,max,min}` and `mismatch/iw_over_2_frac`: the tails of the behaviour importance
+  weight w = pi_prox / pi_behav on all trained tokens (staleness and mismatch together), the
+  weight the decoupled loss multiplies by before any correction bounds it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.api.loss import LossInputs
+
+
+class MismatchMonitor:
+    def __init__(self) -> None:
+        self._diffs: list[torch.Tensor] = []
+        self._log_w: list[torch.Tensor] = []
+
+    def add(self, logprobs: torch.Tensor, inputs: LossInputs) -> None:
+        mask = inputs.loss_mask
+        fresh = mask & (inputs.versions == inputs.policy_version)
+        lp = logprobs.detach().float()
+        self._diffs.append((lp - inputs.behaviour_logprobs)[fresh].abs().cpu())
+        log_w = (inputs.proximal_logprobs.detach() - inputs.behaviour_logprobs)[mask]
+        self._log_w.append(log_w.float().cpu())
+
+    def summary(self) -> dict[str, float]:
+        """The step's metrics; the monitor is empty again afterwards."""
+        diffs = torch.cat(self._diffs) if self._diffs else torch.zeros(0)
+        log_w = torch.cat(self._log_w) if self._log_w else torch.zeros(0)
+        self._diffs, self._log_w = [], []
+        out = {"mismatch/fresh_tokens": float(diffs.numel())}
+        if diffs.numel():
+            out.update({"mismatch/logprob_diff_mean": float(diffs.mean()),
+                        "mismatch/logprob_diff_p99": float(torch.quantile(diffs, 0.99)),
+                        "mismatch/logprob_diff_max": float(diffs.max())})
+        if log_w.numel():
+            w = log_w.exp()
+            out.update({"mismatch/iw_p99": float(torch.quantile(w, 0.99)),
+                        "mismatch/iw_max": float(w.max()), "mismatch/iw_min": float(w.min()),
+                        "mismatch/iw_over_2_frac": float((w > 2).float().mean())})
+        return out
