@@ -54,6 +54,15 @@ def test_dotted_paths_from_the_config_train_with_a_user_loss(model_dir, tmp_path
     assert len(evals) == 2 and 0.0 <= evals[-1]["eval/reward"] <= 1.0
 
 
+def test_a_factory_function_passed_as_an_object(model_dir, tmp_path):
+    """`make_workflow(tokenizer, n=4)` requires only context names: a factory (called with the
+    tokenizer), not a reward function (which requires the completion and the row)."""
+    cfg = small_config(model_dir, tmp_path / "run", **{"total_steps": 1, "eval.every": 0})
+    assert Trainer(cfg).train(workflow=user_plugins.make_workflow).steps == 1
+    steps = [m for m in rows(tmp_path / "run") if "reward/mean" in m]
+    assert steps[0]["user/episodes"] >= 4  # the factory's workflow ran, with its own metrics
+
+
 def test_bad_plugins_are_one_line_errors(model_dir, tmp_path):
     cfg = small_config(model_dir, tmp_path / "run")
     with pytest.raises(UserError, match="has no 'nope'"):

@@ -136,13 +136,15 @@ def resolve_workflow(spec: Any, ctx: WorkflowContext, kwargs: dict[str, Any] | N
 
 
 def _names_a_factory(fn: Any) -> bool:
-    """A callable whose parameters are all context names is a factory, not a reward function
-    (whose two parameters are the completion and the data row)."""
+    """A callable whose required parameters are all context names (`make(tokenizer, n=4)`) is
+    a factory, not a reward function (which requires the completion and the data row)."""
     try:
-        params = inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return bool(params) and all(p in INJECTABLE for p in params)
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return bool(required) and all(name in INJECTABLE for name in required)
 
 
 def resolve_evaluator(eval_spec: Any, workflow: RolloutWorkflow, ctx: WorkflowContext,
