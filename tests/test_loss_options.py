@@ -180,6 +180,11 @@ def test_bad_combinations_are_refused_when_the_config_loads():
         PPOLossConfig(behav_imp_weight_cap=2.0, behav_imp_weight_floor=0.5)
     with pytest.raises(ValueError, match="cispo"):
         PPOLossConfig(policy_objective="cispo", ratio_level="sequence")
+    from asyncrl.config import ConfigError
+    from asyncrl.launch.train_config import TrainRunConfig
+
+    with pytest.raises(ConfigError, match="critic.trainable"):
+        TrainRunConfig.from_dict({"critic": {"trainable": False}})
 
 
 # ---- through the trainer ------------------------------------------------------------------

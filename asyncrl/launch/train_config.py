@@ -175,6 +175,9 @@ class TrainRunConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:
+        if not self.critic.trainable:
+            raise ValueError("critic.trainable=False: the critic is trained alongside the policy "
+                             "(advantage.estimator gae); allowed: true")
         if self.train.temperature != self.gconfig.temperature and not self.gconfig.greedy:
             raise ValueError(
                 f"train.temperature={self.train.temperature} must equal gconfig.temperature="
