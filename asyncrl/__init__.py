@@ -26,9 +26,9 @@ _LAZY = {
     "PPOLoss": "asyncrl.train.losses",
     "PPOLossConfig": "asyncrl.train.losses",
 }
-_API = ("EvalReport", "Evaluator", "GenerationConfig", "InferenceEngine", "LossInputs",
-        "ModelRequest", "ModelResponse", "PolicyLoss", "ReportsMetrics", "RolloutWorkflow",
-        "Sample", "Trajectory", "AgentProgram")
+_API = ("EpisodeRejected", "EvalReport", "Evaluator", "GenerationConfig", "InferenceEngine",
+        "LossInputs", "ModelRequest", "ModelResponse", "PolicyLoss", "ReportsMetrics",
+        "RolloutWorkflow", "Sample", "Trajectory", "AgentProgram")
 _LAZY.update({name: "asyncrl.api" for name in _API})
 
 __all__ = ["__version__", *sorted(_LAZY)]

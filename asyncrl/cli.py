@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--api-key", default=None,
-                     help="bearer token for control/weight endpoints (or ASYNCRL_SERVER_API_KEY)")
+                     help="bearer token every route but /health, /version and /metrics needs "
+                          "(or ASYNCRL_SERVER_API_KEY)")
     srv.add_argument("overrides", nargs="*", metavar="key=value",
                      help="ServerConfig overrides, e.g. engine.max_num_seqs=128 engine.dtype=bfloat16")
     srv.set_defaults(func=cmd_serve)

@@ -72,3 +72,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+SERVE_KEY = "serve-key"  # the api key of the `serve_url` server
+
+
+@pytest.fixture(scope="module")
+def serve_url(model_dir, one_thread):
+    """A real `asyncrl serve` app (uvicorn on 127.0.0.1) on the tiny model, keyed SERVE_KEY."""
+    from tests.http_helpers import inference_server
+
+    with inference_server(model_dir, f"api_key={SERVE_KEY}") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def proxy(model_dir, one_thread):
+    """A real agent proxy (uvicorn on 127.0.0.1) in front of the tiny model's engine."""
+    from tests.http_helpers import proxy_server
+
+    with proxy_server(model_dir) as p:
+        yield p

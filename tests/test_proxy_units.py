@@ -8,6 +8,7 @@ import pytest
 from asyncrl.api import StopReason
 from asyncrl.models.chat import render_chat
 from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.proxy.errors import NotFoundError
 from asyncrl.proxy.export import export_concat, export_individual, export_session
 from asyncrl.proxy.prompt_reuse import build_prompt
 from asyncrl.proxy.records import Completion, Session
@@ -101,7 +102,7 @@ def test_session_reward_keys_resolve_choices():
     s.add_turn([_rec("r2:0", 1, [1], [3]), _rec("r2:1", 1, [1], [4])])
     s.set_reward({"r2": 1.0})
     assert s.rewards == {"r2:0": 1.0, "r2:1": 1.0}
-    with pytest.raises(KeyError, match="not in this session"):
+    with pytest.raises(NotFoundError, match="not in this session"):
         s.set_reward({"other-session-id": 1.0})
 
 

@@ -380,9 +380,9 @@ def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_di
 
     async def main():
         await engine.check_servers()
-        ok = await LogprobCheck(scorer(same), [10, 20, 30], 1.0, 1e-3).run(engine, 0)
+        ok = await LogprobCheck(scorer(same), [[10, 20, 30]], 1.0, 1e-3).run(engine, 0)
         with pytest.raises(WeightCheckError, match="differ from the trainer's"):
-            await LogprobCheck(scorer(other), [10, 20, 30], 1.0, 0.05).run(engine, 0)
+            await LogprobCheck(scorer(other), [[10, 20, 30]], 1.0, 0.05).run(engine, 0)
         return ok
 
     metrics = asyncio.run(main())
@@ -540,6 +540,69 @@ def test_tensor_weight_push_reaches_every_server(servers, new_weights):
     assert all(o.output_versions == [2, 2, 2] for o in outs)
     assert [s["version"] for s in engine.stats()["servers"]] == [2, 2, 2]
     assert [httpx.get(u + "/version").json()["version"] for u, _ in servers] == [2, 2, 2]
+
+
+def test_interrupt_returns_partial_output_until_resume(servers):
+    """For a checkpoint of episodes in flight: `interrupt` returns every call with the tokens it
+    has (ABORT) instead of continuing it, new calls return empty; `resume` ends that."""
+    engine = make_engine(servers)
+    n = 600
+
+    async def main():
+        calls = [asyncio.create_task(engine.agenerate(ModelRequest([30 + i, 3], fixed_len(n))))
+                 for i in range(6)]
+        deadline = time.monotonic() + 30
+        while sum(s.tokens for s in engine.pool.servers) < 60:
+            assert time.monotonic() < deadline, engine.stats()
+            await asyncio.sleep(0.005)
+        await asyncio.to_thread(engine.interrupt)
+        parts = await asyncio.gather(*calls)
+        empty = await engine.agenerate(ModelRequest([5, 6], fixed_len(4)))
+        await asyncio.to_thread(engine.resume)
+        after = await engine.agenerate(ModelRequest([5, 6], fixed_len(4)))
+        await engine.aclose()
+        return parts, empty, after
+
+    parts, empty, after = asyncio.run(main())
+    assert all(p.stop_reason is StopReason.ABORT and p.output_len < n for p in parts)
+    assert sum(p.output_len for p in parts) >= 60
+    assert all(len(p.output_versions) == p.output_len for p in parts)
+    assert empty.stop_reason is StopReason.ABORT and empty.output_len == 0
+    assert after.output_len == 4 and after.stop_reason is StopReason.LENGTH
+
+
+def test_sigkilled_server_mid_generation_continues_elsewhere_from_its_tokens(model_dir):
+    """A server SIGKILLed while it streams tokens (not paused first): its requests continue on
+    the other server from the tokens already received (asyncrl's /generate streams), and the
+    greedy sequences come out exactly as an uninterrupted server generates them."""
+    n, total = 300, 8
+    args = ["--api-key", KEY, f"engine.max_seq_len={CTX}", "engine.max_num_seqs=16"]
+    with running_servers(model_dir, 2, *args) as two:
+        engine = make_engine(two, health_check_interval_s=0.2)
+        victim = two[1][1]
+        reqs = [ModelRequest([20 + i, 3, 4], fixed_len(n, greedy=True)) for i in range(total)]
+
+        async def main():
+            batch = asyncio.gather(*(engine.agenerate(r) for r in reqs))
+            deadline = time.monotonic() + 30
+            while engine.pool.servers[1].tokens < 10 * (total // 2):  # mid-generation
+                assert time.monotonic() < deadline, engine.stats()
+                await asyncio.sleep(0.001)
+            victim.kill()
+            outs = await batch
+            reference = [await engine.agenerate(ModelRequest(r.input_ids, r.gconfig))
+                         for r in reqs]  # uninterrupted, on the survivor
+            await engine.aclose()
+            return outs, reference
+
+        outs, reference = asyncio.run(main())
+        victim.wait(timeout=10)
+        stats = engine.stats()
+    assert all(o.output_len == n and o.stop_reason is StopReason.LENGTH for o in outs)
+    assert stats["failed_calls"] == total // 2, stats  # each victim request failed once
+    assert stats["tokens_kept_from_failed_calls"] == total // 2, stats  # ... keeping its tokens
+    assert stats["servers"][1]["tokens"] < (total // 2) * n  # it died before finishing them
+    assert [o.output_tokens for o in outs] == [r.output_tokens for r in reference]
 
 
 def test_killed_server_mid_batch_loses_no_rollout(servers):

@@ -42,15 +42,17 @@ def greedy_alone(reference, ids, n):
     return reference.generate([req])[0].output_tokens
 
 
-def post(server, path, **kw):
-    return httpx.post(server + path, timeout=60, **kw)
+def post(server, path, key=KEY, **kw):
+    """POST with the server's API key (every route but health/version/metrics needs it)."""
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **kw.pop("headers", {})}
+    return httpx.post(server + path, timeout=60, headers=headers, **kw)
 
 
 def test_health_version_models_metrics(server):
     assert post(server, "/generate", json={"input_ids": [5, 6], "max_new_tokens": 2}).status_code == 200
     assert httpx.get(server + "/health").json()["status"] == "ok"
     assert httpx.get(server + "/version").json()["version"] == 0
-    models = openai.OpenAI(base_url=server + "/v1", api_key="x").models.list()
+    models = openai.OpenAI(base_url=server + "/v1", api_key=KEY).models.list()
     assert models.data[0].id == "default"
     text = httpx.get(server + "/metrics").text
     for name in ("asyncrl_queue_length", "asyncrl_running_requests", "asyncrl_kv_cache_usage",
@@ -68,7 +70,7 @@ def test_generate_is_token_exact(server, reference):
 
 
 def test_openai_sdk_completions_and_chat(server, tokenizer):
-    client = openai.OpenAI(base_url=server + "/v1", api_key="anything")
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
     comp = client.completions.create(model="default", prompt="12+34=", max_tokens=5,
                                       temperature=0, logprobs=1)
     choice = comp.choices[0]
@@ -88,7 +90,7 @@ def test_openai_sdk_completions_and_chat(server, tokenizer):
 
 
 def test_openai_streaming_matches_non_streaming(server):
-    client = openai.OpenAI(base_url=server + "/v1", api_key="anything")
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
     kwargs = dict(model="default", messages=[{"role": "user", "content": "7*6="}], max_tokens=10,
                   temperature=0)
     full = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -105,7 +107,7 @@ def test_openai_streaming_matches_non_streaming(server):
 
 def test_ignorable_openai_fields_are_accepted_and_change_nothing(server):
     """store, metadata, cache hints and neutral values (what agent SDKs send) give the same reply."""
-    client = openai.OpenAI(base_url=server + "/v1", api_key="anything")
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
     kwargs = dict(model="default", messages=[{"role": "user", "content": "7*6="}], max_tokens=6,
                   temperature=0)
     plain = client.chat.completions.create(**kwargs)
@@ -122,7 +124,7 @@ def test_ignorable_openai_fields_are_accepted_and_change_nothing(server):
 
 
 def test_stream_usage_chunk_when_asked(server):
-    client = openai.OpenAI(base_url=server + "/v1", api_key="anything")
+    client = openai.OpenAI(base_url=server + "/v1", api_key=KEY)
     kwargs = dict(model="default", messages=[{"role": "user", "content": "7*6="}], max_tokens=7,
                   temperature=0)
     full = client.chat.completions.create(**kwargs)
@@ -141,7 +143,7 @@ def test_stream_usage_chunk_when_asked(server):
 
 def test_async_openai_client(server):
     async def main():
-        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="anything")
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY)
         outs = await asyncio.gather(*(client.completions.create(
             model="default", prompt=f"{i}+1=", max_tokens=4, temperature=0) for i in range(8)))
         return [o.choices[0].text for o in outs]
@@ -152,7 +154,8 @@ def test_64_concurrent_clients_get_their_own_answers(server, reference):
     prompts = [[(7 * i + j) % 90 + 5 for j in range(3 + i % 11)] for i in range(64)]
 
     async def main():
-        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=server, timeout=120,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as client:
             replies = await asyncio.gather(*(client.post("/generate", json={
                 "input_ids": p, "max_new_tokens": 8, "greedy": True}) for p in prompts))
         return [r.json()["output_tokens"] for r in replies]
@@ -212,8 +215,8 @@ def test_oversized_and_malformed_bodies(server):
 
 def test_control_endpoints_need_the_bearer_token(server):
     for path in ("/pause", "/resume", "/abort", "/update_weights"):
-        assert post(server, path).status_code == 401
-        assert post(server, path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert post(server, path, key=None).status_code == 401
+        assert post(server, path, key="wrong").status_code == 401
     auth = {"Authorization": f"Bearer {KEY}"}
     assert post(server, "/pause", headers=auth).json()["paused"] is True
     assert post(server, "/resume", headers=auth).json()["paused"] is False

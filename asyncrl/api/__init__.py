@@ -4,6 +4,7 @@ Importing this package must stay cheap: stdlib and typing only (no torch, fastap
 a test enforces it.
 """
 
+from asyncrl.api.episode import EpisodeRejected, EpisodeSuspended
 from asyncrl.api.generation import GenerationConfig, ModelRequest, ModelResponse, StopReason
 from asyncrl.api.protocols import (
     Agent,
@@ -28,6 +29,8 @@ __all__ = [
     "AgentAction",
     "AgentProgram",
     "Environment",
+    "EpisodeRejected",
+    "EpisodeSuspended",
     "EvalReport",
     "Evaluator",
     "GenerationConfig",

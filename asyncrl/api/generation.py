@@ -15,6 +15,9 @@ from typing import Any
 
 from asyncrl.api.validation import check_range
 
+# Seeds a per-request torch.Generator takes; outside them seeding fails inside the engine's step.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 
 class StopReason(str, Enum):
     """Why generation of one sequence ended."""
@@ -55,6 +58,8 @@ class GenerationConfig:
             self.greedy = True
         for tid in self.stop_token_ids:
             check_range("stop_token_ids[]", tid, lo=0)
+        if self.seed is not None:
+            check_range("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX)
 
     def replace(self, **changes: Any) -> GenerationConfig:
         return dataclasses.replace(self, **changes)

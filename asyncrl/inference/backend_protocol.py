@@ -95,6 +95,7 @@ class Delta:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason | None = None
+    versions: list[int] | None = None  # per token, from servers that report them (asyncrl)
 
 
 class Backend(Protocol):

@@ -38,7 +38,7 @@ class AsyncrlBackend:
 
     name = "asyncrl"
     supports_tensor_push = True
-    supports_stream = False
+    supports_stream = True
     needs_untied_head = False
 
     def __init__(self, model: str | None = None) -> None:
@@ -53,6 +53,8 @@ class AsyncrlBackend:
             "top_k": g.top_k, "greedy": g.greedy, "stop_token_ids": list(g.stop_token_ids),
             "stop": list(g.stop), "seed": g.seed,
         }
+        if stream:
+            body["stream"] = True
         return HttpCall("POST", "/generate", json=body)
 
     def parse_generate(self, body: Any) -> Segment:
@@ -67,6 +69,23 @@ class AsyncrlBackend:
             stop_reason=stop,
             ttft=body.get("ttft"),
         )
+
+    def parse_stream_event(self, event: Any) -> Delta:
+        """One event of `/generate` with stream: token deltas with their logprobs and versions;
+        the last one carries the stop reason."""
+        if isinstance(event, dict) and "error" in event:
+            raise BackendReplyError(f"asyncrl stream error: {str(event['error'])[:300]}")
+        tokens = list(reply_field(event, "output_tokens"))
+        logprobs = [float(x) for x in reply_field(event, "output_logprobs")]
+        versions = list(reply_field(event, "output_versions"))
+        if not len(tokens) == len(logprobs) == len(versions):
+            raise BackendReplyError(f"asyncrl stream event lengths differ: {str(event)[:300]}")
+        stop = event.get("stop_reason")
+        try:
+            reason = None if stop is None else StopReason(stop)
+        except ValueError:
+            raise BackendReplyError(f"unknown stop_reason {stop!r}") from None
+        return Delta(tokens, logprobs, reason, versions)
 
     def health_call(self) -> HttpCall:
         return HttpCall("GET", "/health")

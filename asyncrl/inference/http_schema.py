@@ -2,7 +2,10 @@
 
 Unknown fields are rejected (400 naming the field) rather than silently ignored, and OpenAI fields
 this engine does not implement are accepted only at their neutral value, so a client never gets
-output that quietly ignored what it asked for.
+output that quietly ignored what it asked for. Tools, tool calls and content parts are typed, so a
+malformed one is a 400 naming it (`tools[0].function.name`) before any chat template sees it; a
+string that is not valid Unicode (a lone surrogate such as the JSON escape `\\ud800`) and nesting
+deeper than `MAX_JSON_DEPTH` are refused in every body, naming the field.
 """
 
 from __future__ import annotations
@@ -12,10 +15,67 @@ from typing import Any, Literal
 import pydantic
 
 from asyncrl.api import GenerationConfig
+from asyncrl.api.generation import SEED_MAX, SEED_MIN
 
 
-class StrictBody(pydantic.BaseModel):
+MAX_JSON_DEPTH = 64  # arrays/objects inside one another; OpenAI bodies need a handful
+
+
+class BadField(ValueError):
+    """Input that fails a check of the whole body; `param` is the field path a client sees."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+
+
+def check_json_text(body: Any) -> None:
+    """BadField for the first string (or object key) holding a lone surrogate, or for nesting
+    deeper than MAX_JSON_DEPTH. Iterative: the input may be as deep as the JSON parser allowed."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                raise BadField(path, "a lone UTF-16 surrogate (such as \\ud800) is not valid "
+                                     "Unicode text; send the character's full surrogate pair")
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise BadField(path, f"nested more than {MAX_JSON_DEPTH} levels deep")
+            if isinstance(value, dict):
+                for key in value:
+                    if isinstance(key, str) and not _is_unicode(key):
+                        raise BadField(path, "an object key holds a lone UTF-16 surrogate, "
+                                             "which is not valid Unicode text")
+                # reversed: the first offending field in document order is reported
+                stack.extend((item, f"{path}.{key}" if path else str(key), depth + 1)
+                             for key, item in reversed(value.items()))
+            else:
+                stack.extend((item, f"{path}[{i}]", depth + 1)
+                             for i, item in reversed(list(enumerate(value)))
+                             if isinstance(item, (str, dict, list)))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ClosedModel(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
+
+
+class StrictBody(ClosedModel):
+    """A request body: unknown fields, invalid text and runaway nesting are refused."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_json_text(data)
+        return data
 
 
 class GenerateBody(StrictBody):
@@ -31,10 +91,13 @@ class GenerateBody(StrictBody):
     greedy: bool = False
     stop_token_ids: list[int] = []
     stop: list[str] = []
-    seed: int | None = None
+    seed: int | None = pydantic.Field(None, ge=SEED_MIN, le=SEED_MAX)
+    # server-sent events: {"output_tokens", "output_logprobs", "output_versions"} deltas as they
+    # are sampled, the last with "stop_reason"; a client whose server dies keeps what it got
+    stream: bool = False
 
     def gconfig(self) -> GenerationConfig:
-        fields = self.model_dump(exclude={"input_ids", "rid"})
+        fields = self.model_dump(exclude={"input_ids", "rid", "stream"})
         return GenerationConfig(**fields)
 
 
@@ -61,7 +124,7 @@ class OpenAISampling(StrictBody):
     n: int = pydantic.Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
-    seed: int | None = None
+    seed: int | None = pydantic.Field(None, ge=SEED_MIN, le=SEED_MAX - 64)  # + i for choice i
     stream: bool = False
     # A plain dict (callers read it with .get), checked against STREAM_OPTIONS below.
     stream_options: dict[str, Any] | None = None
@@ -118,6 +181,9 @@ class CompletionBody(OpenAISampling):
         _neutral("echo", self.echo, False)
         _neutral("suffix", self.suffix, None)
         _neutral("best_of", self.best_of, self.n)
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise BadField("prompt", "an empty list; allowed: a string, a list of token ids, or "
+                                     "a non-empty list of strings or of token-id lists")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -130,11 +196,48 @@ class CompletionBody(OpenAISampling):
         return list(p)
 
 
+class TextPart(pydantic.BaseModel):
+    """A content part; text is the only kind a text model reads (others would be dropped)."""
+
+    model_config = pydantic.ConfigDict(extra="allow")  # SDK hints such as cache breakpoints
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(pydantic.BaseModel):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; some clients an object
+
+
+class ToolCall(pydantic.BaseModel):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(pydantic.BaseModel):
-    # Messages pass through to the chat template; tool calls and names are kept as given.
+    # Messages pass through to the chat template; extra fields (refusal, ...) are kept as given.
     model_config = pydantic.ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(ClosedModel):
+    name: str = pydantic.Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; the chat template renders it
+    strict: bool | None = None
+
+
+class ChatTool(ClosedModel):
+    type: Literal["function"]
+    function: FunctionDef
 
 
 # tool_choice values this server can honour. It never forces a tool call ("required", a named
@@ -148,7 +251,7 @@ class ChatCompletionBody(OpenAISampling):
     max_completion_tokens: int | None = pydantic.Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = pydantic.Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # A hint only: nothing limits how many tool calls the model writes in one turn.
     parallel_tool_calls: bool | None = None
@@ -182,6 +285,14 @@ class ChatCompletionBody(OpenAISampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (unset fields left out)."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them, or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class AbortBody(StrictBody):

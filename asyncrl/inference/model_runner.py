@@ -51,17 +51,23 @@ def read_eos_ids(path: str | Path, hf_config: Mapping) -> list[int]:
 
 
 def iter_safetensors(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from one .safetensors file or every shard in a directory."""
-    from safetensors import safe_open
+    """(name, tensor) pairs from one .safetensors file or every shard in a directory.
+
+    A path that is not readable safetensors raises ValueError naming it (the path is the
+    caller's input: over HTTP, a 400)."""
+    from safetensors import SafetensorError, safe_open
 
     p = Path(path)
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
     if not files or not files[0].is_file():
         raise ValueError(f"no .safetensors weights at {str(p)!r}")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except (OSError, SafetensorError) as err:
+            raise ValueError(f"cannot read .safetensors weights at {str(file)!r}: {err}") from err
 
 
 class ModelRunner:

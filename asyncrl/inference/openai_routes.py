@@ -89,6 +89,10 @@ class OpenAIRoutes:
             for i in range(body.n):
                 seed = None if g.seed is None else g.seed + i
                 out.append(ModelRequest(input_ids=ids, gconfig=g.replace(seed=seed)))
+        # A 400 now, before a stream has sent its 200 (the engine would reject it mid-stream);
+        # the choices of one prompt differ only in their seed.
+        for req in out[::body.n]:
+            self.engine.engine.validate(req)
         return out
 
     async def run_all(self, reqs: list[ModelRequest]) -> list[ModelResponse]:
@@ -135,8 +139,7 @@ class OpenAIRoutes:
         return {**head, "choices": choices, "usage": usage(prompts, outs)}
 
     async def chat(self, body: ChatCompletionBody):
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt = encode_chat_prompt(self.tokenizer, messages, tools=body.tools)
+        prompt = encode_chat_prompt(self.tokenizer, body.message_dicts(), tools=body.tool_dicts())
         reqs = self.requests([prompt], body, body.requested_max_tokens())
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.cfg.model_name}

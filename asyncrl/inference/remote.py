@@ -6,8 +6,8 @@ One request may take several HTTP calls ("segments"), and the caller sees one `M
   the remaining budget, so one response holds tokens of several policy versions.
 - Failover: a call that fails with a connection error, timeout or 5xx marks its server unhealthy
   and is retried on another with backoff, from the tokens accumulated so far. Backends that
-  stream (vLLM) keep the tokens a broken call delivered; a non-streaming call that dies loses its
-  own segment. A lazy health probe brings the server back.
+  stream (asyncrl, vLLM) keep the tokens a broken call delivered, so a server killed mid-generation
+  costs only the token it was computing; a non-streaming call (SGLang) that dies loses its segment. A lazy health probe brings the server back.
 
 How a continuation's sampling parameters are derived is in `continuation.py`. Stop strings are
 matched by the server within one call, so one that straddles an interruption boundary is missed
@@ -22,7 +22,6 @@ on every loop through `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import random
@@ -53,6 +52,7 @@ from asyncrl.inference.backends import (
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
 from asyncrl.inference.remote_config import RemoteEngineConfig
+from asyncrl.inference.remote_control import ControlFanout
 from asyncrl.inference.remote_errors import (
     RemoteEngineError,
     RemoteRequestError,
@@ -75,10 +75,11 @@ class RemoteInferenceEngine:
         self._gate = ResumeGate()
         self._version = 0
         self._closed = False
+        self._interrupted = False  # `interrupt`: every call returns at once with what it has
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._sync_client: httpx.Client | None = None
+        self._control = ControlFanout(cfg, self.pool, self._headers)
         self._background: set[asyncio.Task] = set()
 
     # ---- InferenceEngine protocol -----------------------------------------------------------
@@ -90,8 +91,10 @@ class RemoteInferenceEngine:
         progress = Progress(req, t0=time.perf_counter())
         failures = interruptions = 0
         self._count("requests")
-        while True:
+        while not self._interrupted:
             await self._gate.wait()
+            if self._interrupted:
+                break
             try:
                 added = await self._one_segment(progress)
             except ServerFailure as err:
@@ -104,7 +107,7 @@ class RemoteInferenceEngine:
                 await asyncio.sleep(self._backoff(failures))
                 continue
             failures = 0
-            if progress.stop is not StopReason.ABORT or self._closed:
+            if progress.stop is not StopReason.ABORT or self._closed or self._interrupted:
                 break
             interruptions += 1
             if interruptions > self.cfg.max_interruptions:
@@ -125,12 +128,23 @@ class RemoteInferenceEngine:
         """Hold new and continued requests in this client, then pause every server (which aborts
         in-flight requests; they come back with partial output and wait here for `resume`)."""
         self._gate.close()
-        self._control(self.backend.pause_call(), "pause")
+        self._control.send(self.backend.pause_call(), "pause")
+
+    def interrupt(self) -> None:
+        """Return every generation in flight now with its partial output (stop reason ABORT),
+        and every new one at once with none, until `resume`: the servers are paused (which
+        aborts their requests) and nothing is continued. For checkpointing episodes in flight."""
+        self._interrupted = True
+        try:
+            self.pause()
+        finally:
+            self._gate.open()  # requests waiting to continue see the flag and return
 
     def resume(self) -> None:
         """Resume every server, then release the requests held here (continuations first)."""
+        self._interrupted = False
         try:
-            self._control(self.backend.resume_call(), "resume")
+            self._control.send(self.backend.resume_call(), "resume")
         finally:
             self._gate.open()  # a server that failed to resume is retried around, not waited on
 
@@ -179,9 +193,7 @@ class RemoteInferenceEngine:
         with self._lock:
             clients = list(self._clients.items())
             self._clients.clear()
-            sync, self._sync_client = self._sync_client, None
-        if sync is not None:
-            sync.close()
+        self._control.close()
         for loop, client in clients:
             if loop.is_running():  # a stopped loop would never run it; GC closes those sockets
                 asyncio.run_coroutine_threadsafe(client.aclose(), loop)
@@ -223,7 +235,9 @@ class RemoteInferenceEngine:
         except ServerFailure as err:
             if err.partial is not None and err.partial.tokens:
                 self._count("tokens_kept_from_failed_calls")
-                err.partial.versions = [version] * len(err.partial.tokens)
+                if err.partial.versions is None or len(err.partial.versions) != len(
+                        err.partial.tokens):
+                    err.partial.versions = [version] * len(err.partial.tokens)
                 progress.add(err.partial, submitted, time.perf_counter())
             if err.unhealthy:
                 self.pool.mark_failed(server, str(err))
@@ -271,6 +285,8 @@ class RemoteInferenceEngine:
                     delta = self.backend.parse_stream_event(json.loads(data))
                     got.tokens += delta.tokens
                     got.logprobs += delta.logprobs
+                    if delta.versions is not None:
+                        got.versions = (got.versions or []) + delta.versions
                     self.pool.add_tokens(server, len(delta.tokens))
                     if delta.stop_reason is not None:
                         got.stop_reason, finished = delta.stop_reason, True
@@ -350,32 +366,6 @@ class RemoteInferenceEngine:
         task = asyncio.get_running_loop().create_task(abort())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    # ---- control fan-out --------------------------------------------------------------------
-
-    def _control(self, call: HttpCall, what: str) -> None:
-        """Send `call` to every server at once; unreachable ones are marked unhealthy, error
-        replies (a wrong api_key, a server bug) raise after all have been tried."""
-        client = self._sync()
-        servers = self.pool.servers
-
-        def send(server: ServerState) -> str | None:
-            try:
-                resp = client.request(call.method, server.address + call.path, json=call.json,
-                                      params=call.params, headers=self._headers())
-            except httpx.TransportError as err:
-                self.pool.mark_failed(server, f"{what}: {type(err).__name__}: {err}")
-                log.warning("%s: server %s unreachable: %s", what, server.address, err)
-                return None
-            if resp.status_code >= 400:
-                return f"{server.address} answered {what} with HTTP {resp.status_code}: " \
-                       f"{resp.text[:300]}"
-            return None
-
-        with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
-            errors = [e for e in pool.map(send, servers) if e]
-        if errors:
-            raise RuntimeError("; ".join(errors))
 
     def _weight_jobs(self, meta: WeightUpdateMeta, weights: Mapping[str, Any] | None
                      ) -> dict[ServerState, Any]:
@@ -478,14 +468,6 @@ class RemoteInferenceEngine:
                                       max_keepalive_connections=self.cfg.max_connections)
                 client = self._clients[loop] = httpx.AsyncClient(limits=limits)
             return client
-
-    def _sync(self) -> httpx.Client:
-        with self._lock:
-            if self._sync_client is None:
-                timeout = httpx.Timeout(self.cfg.control_timeout_s,
-                                        connect=self.cfg.connect_timeout_s)
-                self._sync_client = httpx.Client(timeout=timeout)
-            return self._sync_client
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}

@@ -22,7 +22,7 @@ class RemoteEngineConfig(Config):
     backoff_max_s: float = pydantic.Field(5.0, ge=0)
     health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
     max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
-    api_key: str | None = None  # bearer token (asyncrl: control routes; vLLM/SGLang: --api-key)
+    api_key: str | None = None  # bearer token sent on every call (the servers' --api-key)
     # Servers outside the backend's tested version range are refused at startup unless this is set.
     allow_untested_server: bool = False
     max_connections: int = pydantic.Field(1024, ge=1)  # per event loop

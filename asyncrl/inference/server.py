@@ -1,27 +1,32 @@
 """HTTP server of the built-in engine: token-level `/generate`, the OpenAI API, control, weights.
 
-Generation endpoints are open; control and weight endpoints need `Authorization: Bearer <key>`
-when `api_key` is configured (compared in constant time). Every bad input becomes a 4xx JSON body
-in OpenAI's error shape and the server keeps serving everyone else.
+With `api_key` configured every route but health, version, metrics and the API docs needs
+`Authorization: Bearer <key>` (`asyncrl/inference/http_auth.py`). Every bad input becomes a 4xx
+JSON body in OpenAI's error shape, an unexpected error a 500 in the same shape
+(`asyncrl/inference/http_errors.py`), and the server keeps serving everyone else on the same
+connections.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
-from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from asyncrl.api import ModelRequest, WeightUpdateKind, WeightUpdateMeta
+from asyncrl.api import ModelRequest, ModelResponse, WeightUpdateKind, WeightUpdateMeta
 from asyncrl.config import Config
 from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
+from asyncrl.inference.http_auth import BearerKey
+from asyncrl.inference.http_errors import InternalErrors, error_body, install_error_handlers
 from asyncrl.inference.http_schema import AbortBody, DiskWeightsBody, GenerateBody
 from asyncrl.inference.metrics import EngineMetrics
 from asyncrl.inference.openai_routes import add_openai_routes
@@ -34,25 +39,11 @@ class ServerConfig(Config):
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = pydantic.Field(8000, ge=0, le=65535)  # 0: pick a free port and print it
-    api_key: str | None = None  # bearer token required by control and weight endpoints
+    api_key: str | None = None  # bearer token every route but health/version/metrics needs
     model_name: str = "default"
     max_body_bytes: int = pydantic.Field(1 << 20, ge=1024)  # JSON bodies
     max_weight_bucket_bytes: int = pydantic.Field(2 << 30, ge=1024)  # one streamed bucket
     max_tokens_cap: int | None = pydantic.Field(None, ge=1)  # upper bound on max_tokens
-
-
-def error_body(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    err = {"message": message, "type": kind, "param": param, "code": status}
-    return JSONResponse({"error": err}, status_code=status)
-
-
-async def invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:
-    """A body that fails validation: 400 naming the first bad field (FastAPI's default is 422)."""
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if p != "body")
-    msg = first["msg"].removeprefix("Value error, ")
-    return error_body(400, f"{loc}: {msg}" if loc else msg, loc or None)
 
 
 class BodyLimit:
@@ -82,47 +73,34 @@ class BodyLimit:
 
         try:
             await self.app(scope, counting_receive, send)
-        except BodyTooLarge as err:
-            await error_body(413, str(err))(scope, receive, send)
+        except BodyTooLarge as err:  # raised where no exception handler saw it
+            await error_body(413, err.detail)(scope, receive, send)
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(HTTPException):
+    """An HTTPException so FastAPI's body parsing passes it on as a 413 (it turns any other
+    exception while reading the body into a 400 "error parsing the body")."""
+
     def __init__(self, limit: int) -> None:
-        super().__init__(f"request body is over the limit of {limit} bytes")
+        super().__init__(413, f"request body is over the limit of {limit} bytes")
 
 
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="asyncrl inference server")
     metrics = EngineMetrics(engine)
-
-    def require_key(authorization: str | None = Header(None)) -> None:
-        if cfg.api_key is None:
-            return
-        given = (authorization or "").removeprefix("Bearer ").encode()
-        if not hmac.compare_digest(given, cfg.api_key.encode()):
-            raise PermissionError("missing or wrong bearer token")
-
-    app.add_exception_handler(RequestValidationError, invalid_request)
-
-    @app.exception_handler(ValueError)
-    async def _bad_value(_: Request, err: ValueError) -> JSONResponse:
-        return error_body(400, str(err))
-
-    @app.exception_handler(PermissionError)
-    async def _forbidden(_: Request, err: PermissionError) -> JSONResponse:
-        return error_body(401, str(err))
+    install_error_handlers(app, {ValueError: 400})
 
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> dict:
+    async def generate(body: GenerateBody) -> Any:
         req = ModelRequest(input_ids=body.input_ids, gconfig=body.gconfig(), **rid_kwargs(body.rid))
+        if body.stream:
+            engine.engine.validate(req)  # a bad request is a 400 before the stream starts
+            return StreamingResponse(stream_generate(engine, req, metrics),
+                                     media_type="text/event-stream")
         t0 = time.perf_counter()
         resp = await engine.agenerate(req)
         metrics.observe(resp, time.perf_counter() - t0)
-        return {
-            "rid": resp.rid, "input_len": resp.input_len, "output_tokens": resp.output_tokens,
-            "output_logprobs": resp.output_logprobs, "output_versions": resp.output_versions,
-            "stop_reason": resp.stop_reason.value, "latency": resp.latency, "ttft": resp.ttft,
-        }
+        return generate_reply(resp)
 
     @app.get("/health")
     async def health() -> dict:
@@ -136,38 +114,41 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> Fas
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=metrics.content_type)
 
-    add_control_routes(app, engine, Depends(require_key))
+    add_control_routes(app, engine)
     add_openai_routes(app, engine, tokenizer, cfg, metrics)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes,
                        weights_limit=cfg.max_weight_bucket_bytes)
+    app.add_middleware(BearerKey, api_key=cfg.api_key)  # before the body is read
+    app.add_middleware(InternalErrors)  # outermost: catches what the others raise
     return app
 
 
-def add_control_routes(app: FastAPI, engine: AsyncLLMEngine, auth: Any) -> None:
-    """Pause/resume/abort and weight updates: the endpoints that change the server's state."""
+def add_control_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    """Pause/resume/abort and weight updates: the endpoints that change the server's state (the
+    API key, when configured, guards them with every other route)."""
     staging = WeightStaging()
 
-    @app.post("/pause", dependencies=[auth])
+    @app.post("/pause")
     async def pause() -> dict:
         await asyncio.to_thread(engine.pause)
         return {"paused": True, "version": engine.get_version()}
 
-    @app.post("/resume", dependencies=[auth])
+    @app.post("/resume")
     async def resume() -> dict:
         await asyncio.to_thread(engine.resume)
         return {"paused": False, "version": engine.get_version()}
 
-    @app.post("/abort", dependencies=[auth])
+    @app.post("/abort")
     async def abort(body: AbortBody | None = None) -> dict:
         n = await asyncio.to_thread(engine.abort, body.rid if body else None)
         return {"aborted": n}
 
-    @app.post("/update_weights", dependencies=[auth])
+    @app.post("/update_weights")
     async def update_from_disk(body: DiskWeightsBody) -> dict:
         await engine.update_weights(WeightUpdateMeta.from_disk(body.path, body.version))
         return {"version": engine.get_version()}
 
-    @app.post(WEIGHTS_PATH, dependencies=[auth])
+    @app.post(WEIGHTS_PATH)
     async def update_from_bucket(
         request: Request, version: int = Query(ge=0), bucket: int = Query(ge=0),
         last: bool = Query(False),
@@ -179,6 +160,34 @@ def add_control_routes(app: FastAPI, engine: AsyncLLMEngine, auth: Any) -> None:
         meta = WeightUpdateMeta(kind=WeightUpdateKind.TENSORS, version=new_version)
         await engine.update_weights(meta, tensors)
         return {"staged_tensors": staged, "version": engine.get_version()}
+
+
+def generate_reply(resp: ModelResponse) -> dict[str, Any]:
+    return {
+        "rid": resp.rid, "input_len": resp.input_len, "output_tokens": resp.output_tokens,
+        "output_logprobs": resp.output_logprobs, "output_versions": resp.output_versions,
+        "stop_reason": resp.stop_reason.value, "latency": resp.latency, "ttft": resp.ttft,
+    }
+
+
+async def stream_generate(engine: AsyncLLMEngine, req: ModelRequest, metrics: EngineMetrics
+                          ) -> AsyncIterator[str]:
+    """`/generate` with stream: one event per engine step that sampled tokens, then the whole
+    reply's fields (the final step's tokens as the last delta) with the stop reason."""
+    sent = 0
+    async for item in engine.agenerate_stream(req):
+        if isinstance(item, ModelResponse):
+            metrics.observe(item, item.latency)
+            last = {**generate_reply(item), "output_tokens": item.output_tokens[sent:],
+                    "output_logprobs": item.output_logprobs[sent:],
+                    "output_versions": item.output_versions[sent:]}
+            yield f"data: {json.dumps(last)}\n\n"
+            break
+        sent += len(item.output_tokens)
+        delta = {"output_tokens": item.output_tokens, "output_logprobs": item.output_logprobs,
+                 "output_versions": item.output_versions}
+        yield f"data: {json.dumps(delta)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def rid_kwargs(rid: str | None) -> dict[str, str]:

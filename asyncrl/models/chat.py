@@ -2,13 +2,22 @@
 
 Rendering to text and then encoding without extra special tokens keeps the ids exactly what the
 chat template says (some transformers versions add a BOS when tokenizing inside the template call).
+A template that refuses the messages (its `raise_exception`, an undefined field, a value of the
+wrong type) raises `ChatTemplateError`, a ValueError naming the template's complaint: the input
+is at fault, and servers answer it with a 400.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+
 from asyncrl.api import GenerationConfig
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template could not render these messages and tools."""
 
 
 def stop_at_eos(gconfig: GenerationConfig, tokenizer: Any) -> GenerationConfig:
@@ -28,7 +37,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = tools
-    return tokenizer.apply_chat_template(messages, **kwargs)
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except (jinja2.TemplateError, TypeError) as err:  # the messages' fault, not the caller's
+        raise ChatTemplateError(f"the chat template cannot render these messages: "
+                                f"{type(err).__name__}: {err}") from err
 
 
 def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Any
 
 from asyncrl.api import Sample, StopReason
+from asyncrl.proxy.errors import NotFoundError
 
 
 @dataclass
@@ -78,8 +79,14 @@ class Session:
             return [completion_id]
         choices = [c for c in self.completions if c.startswith(completion_id + ":")]
         if not choices:
-            raise KeyError(f"completion {completion_id!r} is not in this session")
+            raise NotFoundError(f"completion {completion_id!r} is not in this session")
         return choices
+
+    def completion(self, completion_id: str) -> Completion:
+        """A stored completion by its id (one choice's id, as the client got it)."""
+        if completion_id not in self.completions:
+            raise NotFoundError(f"completion {completion_id!r} is not in this session")
+        return self.completions[completion_id]
 
     def set_reward(self, reward: float | dict[str, float]) -> None:
         """A float rewards the last completion; a dict maps completion (or response) ids."""

@@ -19,6 +19,7 @@ from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, Op
 from asyncrl.inference.openai_routes import FINISH, TextTracker, sse, usage
 from asyncrl.models.chat import stop_at_eos
 from asyncrl.proxy.config import ProxyConfig
+from asyncrl.proxy.errors import SessionEndedError
 from asyncrl.proxy.prompt_reuse import build_prompt
 from asyncrl.proxy.records import Completion, Session, SessionStatus
 from asyncrl.proxy.tool_calls import parse_tool_calls
@@ -70,8 +71,8 @@ class ProxyRoutes:
 
     async def chat(self, session: Session, body: ChatCompletionBody) -> dict[str, Any]:
         require_active(session)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt, parent, drift = build_prompt(self.tokenizer, messages, body.tools,
+        messages, tools = body.message_dicts(), body.tool_dicts()
+        prompt, parent, drift = build_prompt(self.tokenizer, messages, tools,
                                              list(session.completions.values()))
         g = self.gconfig(body, self.budget(len(prompt), body.requested_max_tokens()))
         outs = await self.generate([prompt], g, body.n)
@@ -87,7 +88,7 @@ class ProxyRoutes:
             self.stats["tool_calls"] += len(calls or [])
             self.stats["malformed_tool_calls"] += parse and calls is None and "<tool_call>" in text
             records.append(self.record(session, rid, i, body.n, prompt, out, message,
-                                       messages, body.tools, parent, drift))
+                                       messages, tools, parent, drift))
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": self.chat_logprobs(out)} if body.logprobs
                             else None,
@@ -142,7 +143,7 @@ class ProxyRoutes:
 
 def require_active(session: Session) -> None:
     if session.status != SessionStatus.ACTIVE:
-        raise ValueError(f"session {session.id} has ended; it accepts no more completions")
+        raise SessionEndedError(session.id)
 
 
 def continued(prompt: list[int], history: list[Completion]) -> Completion | None:

@@ -3,7 +3,9 @@
 Keys: completions, `/v1/models` and reading a stored completion need the session's key; session
 start, end and export need the admin key; a reward may be set with either (a session only for
 itself). Every endpoint but `/health` needs a key. Errors use OpenAI's JSON shape: 400 bad input,
-401 key, 404 unknown session or completion, 413 body too large, 429 no capacity.
+401 key, 403 the session has ended (its key may still set its reward), 404 unknown route, session
+or completion (`NotFoundError`; a KeyError is a bug, answered 500 like every unexpected error,
+which leaves the connection open), 405, 413 body too large, 429 no capacity.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from typing import Any, Literal
 
 import pydantic
 import uvicorn
-from fastapi import FastAPI, Header, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Header
+from fastapi.responses import StreamingResponse
 
 from asyncrl.api import InferenceEngine
+from asyncrl.inference.http_errors import InternalErrors, install_error_handlers
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, StrictBody
-from asyncrl.inference.server import BodyLimit, error_body, invalid_request
+from asyncrl.inference.server import BodyLimit
 from asyncrl.proxy.config import ProxyConfig
+from asyncrl.proxy.errors import AuthError, CapacityError, NotFoundError, SessionEndedError
 from asyncrl.proxy.routes import ProxyRoutes, stream_chat, stream_completion
-from asyncrl.proxy.sessions import AuthError, CapacityError, SessionStore
+from asyncrl.proxy.sessions import SessionStore
 
 
 class RewardBody(StrictBody):
@@ -86,14 +89,13 @@ class ProxyServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="asyncrl agent proxy")
-        handlers = {AuthError: 401, KeyError: 404, CapacityError: 429, ValueError: 400}
-        for exc, status in handlers.items():
-            app.add_exception_handler(exc, _handler(status))
-        app.add_exception_handler(RequestValidationError, invalid_request)
+        install_error_handlers(app, {ValueError: 400, AuthError: 401, SessionEndedError: 403,
+                                     NotFoundError: 404, CapacityError: 429})
         self._openai_routes(app)
         self._session_routes(app)
         app.add_middleware(BodyLimit, limit=self.cfg.max_body_bytes,
                            weights_limit=self.cfg.max_body_bytes)
+        app.add_middleware(InternalErrors)  # outermost: catches what the others raise
         return app
 
     def _openai_routes(self, app: FastAPI) -> None:
@@ -133,9 +135,7 @@ class ProxyServer:
         async def read_completion(completion_id: str,
                                   authorization: str | None = Header(None)) -> dict:
             session = store.by_key(bearer(authorization))
-            if completion_id not in session.completions:
-                raise KeyError(f"completion {completion_id!r} is not in this session")
-            return session.completions[completion_id].public()
+            return session.completion(completion_id).public()
 
     def _session_routes(self, app: FastAPI) -> None:
         """Session control with the admin key (a session key may reward its own session)."""
@@ -156,7 +156,7 @@ class ProxyServer:
                 store.check_admin(key)
                 session = store.get(sid)
             except AuthError:
-                session = store.by_key(key)
+                session = store.by_key(key, ended_ok=True)
                 if session.id != sid:
                     raise AuthError("a session key may only reward its own session") from None
             session.set_reward(body.reward)
@@ -180,16 +180,6 @@ class ProxyServer:
             store.check_admin(bearer(authorization))
             return {**routes.stats, "active_sessions": store.active,
                     "expired_sessions": store.expired}
-
-
-def _handler(status: int) -> Callable[[Request, Exception], Any]:
-    async def handle(_: Request, err: Exception) -> JSONResponse:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        resp = error_body(status, message)
-        if status == 429:
-            resp.headers["Retry-After"] = "1"
-        return resp
-    return handle
 
 
 def sample_json(s: Any) -> dict[str, Any]:

@@ -5,7 +5,8 @@ compared in constant time, so a key never leaks through timing. The admin key (s
 is compared the same way. A session idle for `session_timeout_s` expires and its data is dropped.
 Admission is bounded twice: `max_sessions`, and an optional `admission()` callback (the rollout
 executor's staleness capacity) telling how many more may start now; over either bound a start is
-refused (HTTP 429) so agents cannot produce data older than the staleness bound allows.
+refused (HTTP 429) so agents cannot produce data older than the staleness bound allows. An ended
+session's key is refused everywhere (HTTP 403) except to set its own reward.
 """
 
 from __future__ import annotations
@@ -17,19 +18,12 @@ import time
 from collections.abc import Callable
 
 from asyncrl.api import Sample
+from asyncrl.proxy.errors import AuthError, CapacityError, NotFoundError, SessionEndedError
 from asyncrl.proxy.export import ExportStyle, export_session
 from asyncrl.proxy.records import Session, SessionStatus
 from asyncrl.reward.returns import raw_rewards, session_returns
 
 KEY_PREFIX = "sk-asyncrl-"
-
-
-class AuthError(Exception):
-    """Missing, wrong or expired key (HTTP 401)."""
-
-
-class CapacityError(Exception):
-    """No room for another session now (HTTP 429)."""
 
 
 class SessionStore:
@@ -48,8 +42,9 @@ class SessionStore:
         if not hmac.compare_digest((key or "").encode(), self.admin_key.encode()):
             raise AuthError("missing or wrong admin key")
 
-    def by_key(self, key: str | None) -> Session:
-        """The active session a session key belongs to."""
+    def by_key(self, key: str | None, ended_ok: bool = False) -> Session:
+        """The session a session key belongs to: AuthError for a wrong or expired key,
+        SessionEndedError when the session has ended (unless `ended_ok`: setting its reward)."""
         sid, _, secret = (key or "").removeprefix(KEY_PREFIX).partition("-")
         self.expire()
         session = self._sessions.get(sid) if (key or "").startswith(KEY_PREFIX) else None
@@ -57,13 +52,16 @@ class SessionStore:
         expected = session.secret if session else "x" * len(secret)
         if not hmac.compare_digest(secret.encode(), expected.encode()) or session is None:
             raise AuthError("missing, wrong or expired session key")
+        if session.status != SessionStatus.ACTIVE and not ended_ok:
+            raise SessionEndedError(session.id)
         session.last_used = self.clock()
         return session
 
     def get(self, sid: str) -> Session:
         self.expire()
         if sid not in self._sessions:
-            raise KeyError(f"session {sid!r} does not exist (never started, exported or expired)")
+            raise NotFoundError(f"session {sid!r} does not exist (never started, exported or "
+                                "expired)")
         return self._sessions[sid]
 
     # ---- lifecycle ----------------------------------------------------------------------------

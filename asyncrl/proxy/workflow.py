@@ -3,7 +3,8 @@
 Per episode: start a session, run the agent against the proxy with the session's key, give its
 result to the session as reward, export the recorded completions as samples. An agent that
 raises, returns the wrong type, names unknown completions, makes no completion or runs past its
-timeout is a rejected rollout with the reason logged (and counted in `stats`); training goes on.
+timeout is a rejected rollout (`EpisodeRejected` with the reason: the executor logs it
+rate-limited, the watchdog shows it; counted by kind in `metrics`); training goes on.
 The proxy is started lazily on the rollout event loop, so the engine it forwards to is driven from
 the loop that owns its clients; the `engine` argument of `arun_episode` is that same engine.
 
@@ -20,9 +21,10 @@ import logging
 import time
 from typing import Any
 
-from asyncrl.api import EvalReport, InferenceEngine, Trajectory
+from asyncrl.api import EpisodeRejected, EvalReport, InferenceEngine, Trajectory
 from asyncrl.proxy.agent_runner import AgentRunner, load_agent
 from asyncrl.proxy.config import AgentConfig
+from asyncrl.proxy.errors import NotFoundError
 from asyncrl.proxy.server import ProxyServer
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,6 @@ class AgentWorkflow:
         self.runner = AgentRunner(self.agent, self.cfg)
         self.rejections: collections.Counter[str] = collections.Counter()
         self._starting: asyncio.Lock | None = None
-        self.closing = False
 
     async def ensure_started(self) -> str:
         if self._starting is None:
@@ -49,11 +50,11 @@ class AgentWorkflow:
                 log.info("agent proxy listening on %s", self.proxy.base_url)
         return self.proxy.base_url
 
-    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
         return (await self._episode(data))[0]
 
-    async def _episode(self, data: dict[str, Any]) -> tuple[Trajectory | None, float]:
-        """The trajectory (None: rejected) and the agent's reward (a dict's sum; 0 if rejected)."""
+    async def _episode(self, data: dict[str, Any]) -> tuple[Trajectory, float]:
+        """The trajectory and the agent's reward (a dict's sum); EpisodeRejected if rejected."""
         base_url = await self.ensure_started()
         store = self.proxy.store
         session = store.start()
@@ -62,31 +63,27 @@ class AgentWorkflow:
             try:
                 result = await self.runner.run(data, base_url, session.api_key)
             except (TimeoutError, asyncio.TimeoutError):
-                return self.reject("timeout", f"agent {name} ran past timeout_s="
-                                   f"{self.cfg.timeout_s}", data), 0.0
+                self.reject("timeout", f"agent {name} ran past timeout_s={self.cfg.timeout_s}",
+                            data)
             except Exception as err:  # boundary: the user's agent failed, the run goes on
-                return self.reject("error", f"agent {name} raised {err!r}", data), 0.0
+                self.reject("error", f"agent {name} raised {err!r}", data)
             try:
                 store.end(session.id)
                 session.set_reward(result)
                 if not session.completions:
-                    return self.reject("no_completions", f"agent {name} made no completion",
-                                       data), 0.0
+                    self.reject("no_completions", f"agent {name} made no completion", data)
                 samples = store.export(session.id, self.cfg.export_style, self.cfg.turn_discount)
-            except KeyError as err:  # an unknown completion id, or the session expired
-                return self.reject("bad_reward", f"agent {name}'s reward: {err.args[0]}",
-                                   data), 0.0
+            except NotFoundError as err:  # an unknown completion id, or the session expired
+                self.reject("bad_reward", f"agent {name}'s reward: {err.args[0]}", data)
         finally:
             store.drop(session.id)
         reward = float(sum(result.values())) if isinstance(result, dict) else float(result)
         return Trajectory(samples, group_id=str(data.get("id", ""))), reward
 
     def reject(self, kind: str, reason: str, data: dict[str, Any]) -> None:
+        """Count the rejection and raise it (the executor logs it, rate-limited)."""
         self.rejections[kind] += 1
-        # At shutdown the episodes still in flight lose their client: expected, not a warning.
-        log.log(logging.DEBUG if self.closing else logging.WARNING,
-                "%s on data id=%s; rollout rejected", reason, data.get("id"))
-        return None
+        raise EpisodeRejected(f"{reason} on data id={data.get('id')}")
 
     def metrics(self) -> dict[str, float]:
         """Rejections by kind, and the proxy's cumulative counters: completions, prompts that
@@ -103,7 +100,10 @@ class AgentWorkflow:
 
         async def one(row: dict[str, Any]) -> tuple[Trajectory | None, float]:
             async with gate:
-                return await self._episode(row)
+                try:
+                    return await self._episode(row)
+                except EpisodeRejected:
+                    return None, 0.0
 
         runs = await asyncio.gather(*(one(r) for r in rows))
         n = max(len(runs), 1)
@@ -118,6 +118,5 @@ class AgentWorkflow:
                           f", tool calls in {used_tools / n:.0%}, rejected {rejected / n:.0%}")
 
     async def aclose(self) -> None:
-        self.closing = True
         await self.runner.aclose()
         await self.proxy.stop()

@@ -1,0 +1,38 @@
+"""The inference server's bearer key: every route but the read-only probes needs it.
+
+With `api_key` set, generation (`/generate`, `/v1/*`), control and weight routes all need
+`Authorization: Bearer <key>` (vLLM's --api-key guards only `/v1`; here `/generate` generates too,
+so it is guarded as well). Health, version, metrics and the API docs stay open so launchers and
+monitoring need no secret. The key is checked before the body is read, in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from asyncrl.inference.http_errors import error_body
+
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs",
+                        "/docs/oauth2-redirect", "/redoc"})
+
+
+class BearerKey:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = api_key.encode() if api_key is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.expected is None or scope["type"] != "http"
+                or scope["path"] in OPEN_PATHS or self._authorized(scope)):
+            return await self.app(scope, receive, send)
+        resp = error_body(401, "missing or wrong API key: send Authorization: Bearer <api_key> "
+                               "(the key `asyncrl serve --api-key` was started with)",
+                          headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        given = header.removeprefix(b"Bearer ").strip()
+        return hmac.compare_digest(given, self.expected)
