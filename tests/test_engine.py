@@ -398,3 +398,27 @@ def test_wide_decode_batch_logprobs(model_dir, hf, fast, cpu_kernels):
     outs = eng.generate([ModelRequest(p, gc) for p in prompts])
     for p, o in zip(prompts, outs):
         assert_logprobs(hf, p, o, 0.8)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_thread_fails_callers_and_control_calls_instead_of_hanging(model_dir):
+    """An engine step that raises kills the engine thread: the caller waiting on a generation
+    and every later control call (pause, abort) get EngineDeadError, none waits forever."""
+    from asyncrl.inference.async_engine import EngineDeadError
+
+    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128))
+
+    def broken_step():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.engine.step = broken_step
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="illegal memory access"):
+            await engine.agenerate(ModelRequest([1, 2, 3], greedy(4)))
+
+    asyncio.run(main())
+    with pytest.raises(EngineDeadError):
+        engine.pause()
+    with pytest.raises(EngineDeadError):
+        engine.abort()

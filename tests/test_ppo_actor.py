@@ -11,6 +11,7 @@ from asyncrl.api.trajectory import Sample
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
 from asyncrl.models.tiny import build_tiny_model
+from asyncrl.api import EpisodeRejected
 from asyncrl.rollout.group import GroupedWorkflow
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
 from asyncrl.train.optim import OptimizerConfig
@@ -116,7 +117,9 @@ def test_grouped_workflow_merges_episodes_and_tolerates_failures():
     traj = asyncio.run(GroupedWorkflow(_Echo([1.0, "fail", 0.0, "reject"]), 4)
                        .arun_episode(None, {"id": 7}))
     assert traj.rewards == [1.0, 0.0] and traj.group_id == "7"
-    assert asyncio.run(GroupedWorkflow(_Echo([1.0, "fail"]), 2).arun_episode(None, {})) is None
+    assert asyncio.run(GroupedWorkflow(_Echo([1.0, "reject"]), 2).arun_episode(None, {})) is None
+    with pytest.raises(EpisodeRejected, match="1 of 2 episodes of group None survived.*boom"):
+        asyncio.run(GroupedWorkflow(_Echo([1.0, "fail"]), 2).arun_episode(None, {}))
     with pytest.raises(ValueError, match="min_size=3"):
         GroupedWorkflow(_Echo([]), 2, min_size=3)
 

@@ -21,7 +21,7 @@ def agent_config(model_dir, out, **over):
 
 
 def test_agent_job_trains_and_survives_a_flaky_agent(model_dir, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="asyncrl.proxy.workflow")
+    caplog.set_level(logging.WARNING)
     cfg = agent_config(model_dir, tmp_path / "run")
     result = Trainer(cfg).train(workflow=agents.DigitAgent(fail_every=5))
     assert result.steps == 3 and result.stopped_by == "total_steps"
@@ -31,7 +31,7 @@ def test_agent_job_trains_and_survives_a_flaky_agent(model_dir, tmp_path, caplog
     # 4 groups x 4 agent runs, minus the rejected runs (a group keeps its survivors)
     assert all(8.0 <= m["batch/samples"] <= 16.0 for m in steps)
     assert steps[-1]["agent/rejected_error"] >= 1  # the flaky runs were rejected ...
-    assert "flaky agent failure" in caplog.text and "rollout rejected" in caplog.text
+    assert "flaky agent failure" in caplog.text  # logged (once in full, then summarised)
     evals = [m for m in rows if "eval/agent_reward" in m]
     assert len(evals) >= 2 and 0.0 <= evals[-1]["eval/agent_reward"] <= 1.0
     assert (tmp_path / "run" / "plot.png").is_file()

@@ -30,7 +30,7 @@ class Servers:
 
 
 def run(servers, tolerance=0.05):
-    return asyncio.run(LogprobCheck(score, [1, 2], 1.0, tolerance).run(servers, 4))
+    return asyncio.run(LogprobCheck(score, [[1, 2]], 1.0, tolerance).run(servers, 4))
 
 
 def test_agreeing_servers_pass_and_report_the_worst():

@@ -171,6 +171,32 @@ def test_in_process_push_updates_the_engine(model_dir, tmp_path):
                                    atol=1e-4, rtol=0)
 
 
+def test_in_process_canary_stops_a_corrupted_push(model_dir, tmp_path):
+    """The logprob canary runs after every push in process too (it used to run only against
+    servers): weights altered on the way (here one tensor scaled) end the push with an error
+    naming the engine and the difference."""
+    from asyncrl.launch.weight_check import LogprobCheck, WeightCheckError
+
+    model = perturbed(model_dir, seed=1)
+
+    def score(prompt, output):
+        assert prompt == PROMPT
+        return trainer_logprobs(model, output).tolist()
+
+    cfg = InferenceLaunchConfig(engine=EngineSettings(max_num_seqs=2), check_logprobs_every=1)
+    assert InferenceLaunchConfig().canary_every == 20  # in process, by default every 20th push
+    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
+        engines.check = LogprobCheck(score, [PROMPT], 1.0, 0.05)
+        ok = asyncio.run(engines.push(model.state_dict(), 1))
+        assert ok["weight_check/tokens"] > 0 and ok["weight_check/mean_abs_diff"] < 1e-4
+        sent = dict(model.state_dict())
+        name = next(k for k in sent if k.endswith("mlp.down_proj.weight"))
+        sent[name] = sent[name] * 3.0  # what a broken transfer might deliver
+        with pytest.raises(WeightCheckError, match=r"the in-process engine at weight version 2: "
+                                                   r"its logprobs differ .* by \d"):
+            asyncio.run(engines.push(sent, 2))
+
+
 # ---- HTTP buckets and disk, against a real server ------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -193,7 +219,8 @@ def server_greedy(url: str) -> dict:
     import httpx
 
     body = {"input_ids": PROMPT, "max_new_tokens": NEW, "greedy": True}
-    return httpx.post(url + "/generate", json=body, timeout=60).json()
+    return httpx.post(url + "/generate", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}).json()
 
 
 @pytest.mark.parametrize("kind, version", [("tensors", 4), ("disk", 5)])

@@ -22,9 +22,13 @@ from typing import Any
 
 import torch
 
-from asyncrl.api import ModelRequest, ModelResponse, WeightUpdateKind, WeightUpdateMeta
+from asyncrl.api import (ModelRequest, ModelResponse, StopReason, WeightUpdateKind,
+                         WeightUpdateMeta)
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.inference.model_runner import iter_safetensors
+
+
+CONTROL_TIMEOUT_S = 300.0  # pause / resume / abort: applied between two engine steps
 
 
 class EngineDeadError(RuntimeError):
@@ -68,6 +72,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # guards _waiters, touched by callers and the engine thread
         self._waiters: dict[str, _Waiter] = {}
         self._closed = False
+        self._interrupted = False  # `interrupt`: new requests return at once, empty
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="asyncrl-engine", daemon=True)
         self._thread.start()
@@ -75,6 +80,8 @@ class AsyncLLMEngine:
     # ---- InferenceEngine protocol ---------------------------------------------------------
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        if self._interrupted:
+            return ModelResponse(list(req.input_ids), [], [], [], StopReason.ABORT, rid=req.rid)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, future=loop.create_future())
         async with self._request(req, waiter):
@@ -112,10 +119,17 @@ class AsyncLLMEngine:
             self.engine.pause()
             self._deliver(self.engine.abort())
 
-        self._submit(pause_and_abort).result()
+        self._wait(self._submit(pause_and_abort), "pause")
+
+    def interrupt(self) -> None:
+        """`pause`, and until `resume` new requests return at once with no tokens (ABORT):
+        every caller gets back what it has, for a checkpoint of the episodes in flight."""
+        self._interrupted = True
+        self.pause()
 
     def resume(self) -> None:
-        self._submit(self.engine.resume).result()
+        self._interrupted = False
+        self._wait(self._submit(self.engine.resume), "resume")
 
     def abort(self, rid: str | None = None) -> int:
         """Finish `rid` (all requests when None) now with partial output; returns how many."""
@@ -125,7 +139,7 @@ class AsyncLLMEngine:
             self._deliver(out)
             return len(out)
 
-        return self._submit(run).result()
+        return self._wait(self._submit(run), "abort")
 
     async def update_weights(
         self, meta: WeightUpdateMeta, weights: Mapping[str, torch.Tensor] | None = None
@@ -173,6 +187,15 @@ class AsyncLLMEngine:
         self.engine.validate(req)  # fast ValueError in the caller; re-checked on the engine thread
         return _RequestScope(self, req, waiter)
 
+    def _wait(self, fut: concurrent.futures.Future, what: str) -> Any:
+        """A control command's result; bounded, so a stuck engine thread is an error, not a
+        hang (one engine step is milliseconds to seconds)."""
+        try:
+            return fut.result(timeout=CONTROL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the engine thread did not {what} within {CONTROL_TIMEOUT_S:g}s; "
+                               f"engine stats: {self.stats()}") from None
+
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         if self._error is not None:
             raise EngineDeadError("the engine thread stopped on an error") from self._error
@@ -186,6 +209,10 @@ class AsyncLLMEngine:
     # ---- engine thread --------------------------------------------------------------------
 
     def _add(self, req: ModelRequest) -> None:
+        if self._interrupted:  # queued behind `interrupt`'s pause: answer it like one after
+            self._notify(req.rid, ModelResponse(list(req.input_ids), [], [], [],
+                                                StopReason.ABORT, rid=req.rid), None)
+            return
         try:
             self.engine.add_request(req)
         except Exception as err:  # e.g. the same rid raced in from another loop: tell the caller
@@ -210,6 +237,13 @@ class AsyncLLMEngine:
                 rids = list(self._waiters)
             for rid in rids:
                 self._notify(rid, None, EngineDeadError(f"engine thread died: {err!r}"))
+            while True:  # and every command queued for it
+                try:
+                    _, fut = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineDeadError(f"engine thread died: {err!r}"))
             raise
 
     def _drain_commands(self) -> None:

@@ -9,8 +9,9 @@ staleness bound counts served versions; the trainer's own version runs ahead dur
 in flight continue under the new weights. Over HTTP the client pauses the servers (requests in
 flight come back partial and are continued after the update, so one sequence may hold tokens of
 two versions), streams the weights in buckets or has the servers load a directory, checks that
-each server reports the new version, and resumes. With a `LogprobCheck` attached, the servers'
-logprobs are then compared with the trainer's.
+each server reports the new version, and resumes. With a `LogprobCheck` attached (the job
+attaches one; `inference.check_logprobs_every`: every push to servers, every 20th in process by
+default), every engine's logprobs on a small canary batch are then compared with the trainer's.
 
 Servers are checked before the first rollout (`check_servers`: version range, routes, logprobs
 mode). A vLLM server is given an untied copy of a tied model (see vllm_backend.VLLMBackend).
@@ -60,26 +61,32 @@ class RolloutEngines:
             meta = WeightUpdateMeta.from_tensors(version, self.cfg.bucket_bytes)
         if not self.remote:
             await self.engine.update_weights(meta, sent)
-            self.version.set(version)
-            return {}
-        self.engine.pause()
-        try:
-            await self.engine.update_weights(meta, sent)
-        finally:
-            self.engine.resume()
+        else:
+            self.engine.pause()
+            try:
+                await self.engine.update_weights(meta, sent)
+            finally:
+                self.engine.resume()
         self.version.set(version)
         self._updates += 1
-        every = self.cfg.check_logprobs_every
+        every = self.cfg.canary_every
         if self.check is not None and every and self._updates % every == 0:
             return await self.check.run(self.engine, version)
         return {}
 
+    def interrupt(self) -> None:
+        """Every generation in flight returns now with its partial output, new ones return
+        empty, until `resume` (for a checkpoint of the episodes in flight; both engines)."""
+        self.engine.interrupt()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
     async def start_checks(self, version: int) -> dict[str, float]:
-        """Before the first rollout: the servers' own checks, then the logprob probe."""
-        if not self.remote:
-            return {}
-        await self.engine.check_servers()
-        if self.check is not None and self.cfg.check_logprobs_every:
+        """Before the first rollout: the servers' own checks, then the logprob canary."""
+        if self.remote:
+            await self.engine.check_servers()
+        if self.check is not None and self.cfg.canary_every:
             return await self.check.run(self.engine, version)
         return {}
 

@@ -1,10 +1,11 @@
 """Checkpoints of a training run: RUN/checkpoints/step_NNNNNN/{policy/, trainer/, [critic/,]
-state.json}.
+state.json, rollouts.pkl}.
 
 `policy/` is a plain HF model directory (weights + tokenizer) that `asyncrl eval`, `asyncrl serve`
 or vLLM load directly; `trainer/` holds the full training state (weights, optimizer, LR schedule,
 RNG, the policy version); `state.json` the loop's own position (step, data position, elapsed
-time) and the rollout side's staleness counters. A checkpoint is
+time) and the rollout side's staleness counters; `rollouts.pkl` the episodes in flight (rows
+queued, trajectories not consumed, suspended generations: rollout/snapshot.py). A checkpoint is
 written under a hidden name and renamed into place, then `latest` is updated, so a crash mid-write
 never leaves a checkpoint that looks complete.
 
@@ -30,6 +31,7 @@ POLICY = "policy"
 TRAINER = "trainer"  # the policy engine's full state (train/checkpoint.py)
 CRITIC = "critic"  # the critic engine's, when the run has one
 STATE = "state.json"
+ROLLOUTS = "rollouts.pkl"  # the executor's snapshot of the episodes in flight
 STEP_NAME = re.compile(r"step_(\d+)")
 
 
@@ -40,6 +42,7 @@ class LoopState:
     train_seconds: float  # training wall time so far (evals and checkpoints excluded)
     wall_seconds: float
     rollout: dict[str, Any] = field(default_factory=dict)  # WorkflowExecutor.state_dict()
+    in_flight: dict[str, int] = field(default_factory=dict)  # RolloutSnapshot.counts()
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -63,9 +66,10 @@ def read_latest(checkpoints: Path) -> str | None:
 
 
 def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer: Any,
-                        keep: int, critic: Any = None) -> Path:
+                        keep: int, critic: Any = None, rollouts: Any = None) -> Path:
     """Every trainer rank calls this (the weights are gathered and saved collectively);
-    rank 0 writes the files. A critic (estimator gae) is saved under `critic/`."""
+    rank 0 writes the files. A critic (estimator gae) is saved under `critic/`, the episodes in
+    flight (`rollouts`, a RolloutSnapshot, rank 0's) as `rollouts.pkl`."""
     from asyncrl.models.export import save_weights_dir
 
     final = step_dir(run_dir, state.step)
@@ -82,6 +86,8 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
         critic.save(tmp / CRITIC)
     if not writer:
         return final
+    if rollouts is not None:
+        rollouts.save(tmp / ROLLOUTS)
     (tmp / STATE).write_text(json.dumps(asdict(state), indent=2))
     if final.exists():
         shutil.rmtree(final)
@@ -117,6 +123,14 @@ def load_loop_state(ckpt: Path) -> LoopState:
     state = json.loads((ckpt / STATE).read_text())
     state.pop("version", None)  # written by earlier releases; the trainer's state holds it
     return LoopState(**state)
+
+
+def load_rollouts(ckpt: Path) -> Any:
+    """The checkpoint's RolloutSnapshot, or None (written before episodes were kept)."""
+    from asyncrl.rollout.snapshot import RolloutSnapshot
+
+    path = ckpt / ROLLOUTS
+    return RolloutSnapshot.load(path) if path.is_file() else None
 
 
 def _is_model_dir(p: Path) -> bool:

@@ -14,7 +14,10 @@ episodes, its `aevaluate` (api.Evaluator), its `metrics()` (api.ReportsMetrics) 
 Ctrl-C (or SIGTERM) asks the loop to stop after the current step: it writes a checkpoint and
 shuts everything down (server processes included); a second Ctrl-C stops at once. `--resume RUN`
 continues from the run's latest checkpoint: weights, optimizer, LR schedule, RNG, policy version,
-data position, staleness counters, elapsed time, and the metrics curve.
+data position, staleness counters, elapsed time, the metrics curve, and the episodes that were in
+flight (every checkpoint suspends them and keeps their rows, unconsumed trajectories and partial
+generations; they continue from the tokens they had). A run that cannot form a batch stops with
+an error saying why (launch/watchdog.py); every wait of the loop has a time limit.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import datetime
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,15 +35,15 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from asyncrl.api import Evaluator, PolicyLoss, ReportsMetrics, RolloutWorkflow
+from asyncrl.api import PolicyLoss
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.progress import TrainProgress
-from asyncrl.launch.rollout_engines import RolloutEngines, open_rollout_engines
-from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
+from asyncrl.launch.rollout_engines import open_rollout_engines
 from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
                                             load_loop_state)
 from asyncrl.launch.run_logger import RunLogger
 from asyncrl.launch.train_config import TrainRunConfig
+from asyncrl.launch.train_loop import TrainLoop, bounded
 from asyncrl.launch.trainer_group import (
     TrainerGroup,
     broadcast,
@@ -234,11 +236,14 @@ class Trainer:
             workflow = resolve_workflow(self.plugins.workflow, ctx, self.plugins.workflow_kwargs)
             evaluator = resolve_evaluator(self.plugins.eval_workflow, workflow, ctx)
             engines.check = self._logprob_check(group, tokenizer)
-            executor.run(engines.start_checks(group.trainer.version.value))
+            limit = cfg.watchdog.sync_timeout_s
+            bounded(executor, engines.start_checks(group.trainer.version.value), limit,
+                     "the servers' start-up checks", "watchdog.sync_timeout_s")
             if engines.remote and group.trainer.version.value > 0:
                 # servers started from a checkpoint report version 0: one push labels them
-                executor.run(engines.push(group.state_dict(), group.trainer.version.value,
-                                          group.trainer.model.config, tokenizer))
+                bounded(executor, engines.push(group.state_dict(), group.trainer.version.value,
+                                                group.trainer.model.config, tokenizer), limit,
+                         "the weight push of the resumed checkpoint", "watchdog.sync_timeout_s")
             stream = DataStream(dataset.train_rows(), cfg.seed, state.data_position)
             logger = stack.enter_context(RunLogger(
                 self.run_dir, cfg.logging, config=cfg.model_dump(mode="json"),
@@ -246,18 +251,19 @@ class Trainer:
             progress = stack.enter_context(TrainProgress(
                 cfg.total_steps, cfg.max_train_seconds, self.console, start_step=state.step))
             stop = stack.enter_context(StopRequest())
-            _Loop(self, state, tokenizer, workflow, evaluator, engines, group, executor, stream,
-                  logger, progress, stop).run()
+            TrainLoop(self, state, tokenizer, workflow, evaluator, engines, group, executor,
+                      stream, logger, progress, stop).run()
 
     def _logprob_check(self, group: TrainerGroup, tokenizer: Any) -> LogprobCheck | None:
-        """The post-update probe: the first eval row's prompt (in-distribution text)."""
+        """The post-update canary: the first two eval rows' prompts (in-distribution text)."""
         from asyncrl.models.chat import encode_chat_prompt
 
         cfg = self.cfg
-        if not self.eval_rows or "messages" not in self.eval_rows[0]:
+        rows = [r for r in self.eval_rows[:2] if "messages" in r]
+        if not rows:
             return None
-        prompt = encode_chat_prompt(tokenizer, self.eval_rows[0]["messages"])
-        return LogprobCheck(group.score, prompt, cfg.train.temperature,
+        prompts = [encode_chat_prompt(tokenizer, r["messages"]) for r in rows]
+        return LogprobCheck(group.score, prompts, cfg.train.temperature,
                             cfg.inference.check_logprobs_tolerance)
 
     def _initial_state(self) -> tuple[LoopState, Path, Path | None, Path]:
@@ -299,143 +305,6 @@ def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     for item in overrides:
         set_dotted(data, *parse_override(item))
     return data
-
-
-class _Loop:
-    """One run's mutable state; `run` is the loop of the module docstring."""
-
-    def __init__(self, job: Trainer, state: LoopState, tokenizer: Any,
-                 workflow: RolloutWorkflow, evaluator: Evaluator, engines: RolloutEngines,
-                 group: TrainerGroup, executor: WorkflowExecutor, stream: DataStream,
-                 logger: RunLogger, progress: TrainProgress, stop: StopRequest) -> None:
-        self.job, self.cfg, self.state = job, job.cfg, state
-        self.tokenizer, self.engines = tokenizer, engines
-        self.workflow, self.evaluator = workflow, evaluator
-        self.group, self.trainer, self.executor = group, group.trainer, executor
-        self.stream, self.logger, self.progress, self.stop = stream, logger, progress, stop
-        self.monitor = RolloutMonitor(self.cfg.filter_uniform_groups)
-        self.result = job.result
-
-    def run(self) -> None:
-        try:
-            self._run()
-        finally:  # e.g. an agent workflow's proxy server and process pool
-            close = getattr(self.workflow, "aclose", None)
-            if close is not None:
-                self.executor.run(close(), timeout=60)
-
-    def _run(self) -> None:
-        cfg, state = self.cfg, self.state
-        wall0 = time.perf_counter() - state.wall_seconds
-        if state.step == 0 and cfg.eval.every:
-            self.evaluate_and_log(initial=True)
-        stopped_by = "total_steps"
-        while state.step < cfg.total_steps:
-            if cfg.max_train_seconds is not None and state.train_seconds >= cfg.max_train_seconds:
-                stopped_by = "max_train_seconds"
-                break
-            if self.stop.requested:
-                stopped_by = "interrupted"
-                break
-            t0 = time.perf_counter()
-            metrics = self.train_one_step()
-            if metrics is None:
-                stopped_by = "interrupted"
-                break
-            state.train_seconds += time.perf_counter() - t0
-            state.wall_seconds = time.perf_counter() - wall0
-            metrics.update({"time/elapsed_s": state.train_seconds,
-                            "time/wall_s": state.wall_seconds})
-            if cfg.eval.every and state.step % cfg.eval.every == 0:
-                metrics.update(self.evaluate_and_log())
-            self.logger.log(state.step, metrics)
-            self.progress.update(state.step, metrics)
-            if cfg.logging.plot and state.step % cfg.logging.plot_every == 0:
-                self.logger.plot()
-            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
-                self.checkpoint()
-        self.finish(stopped_by, wall0)
-
-    def finish(self, stopped_by: str, wall0: float) -> None:
-        cfg, state = self.cfg, self.state
-        if cfg.eval.every and state.step % cfg.eval.every and state.step > 0:
-            metrics = self.evaluate_and_log()
-            metrics.update({"time/elapsed_s": state.train_seconds,
-                            "policy/version": float(self.trainer.version.value)})
-            self.logger.log(state.step, metrics, force=True)
-        state.wall_seconds = time.perf_counter() - wall0
-        if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
-            self.checkpoint()
-        if cfg.logging.plot:
-            self.logger.plot()
-        self.result.steps, self.result.stopped_by = state.step, stopped_by
-        self.result.train_seconds, self.result.wall_seconds = state.train_seconds, state.wall_seconds
-        self.progress.message(f"stopped by {stopped_by} at step {state.step} after "
-                              f"{state.train_seconds:.0f}s of training "
-                              f"({state.wall_seconds:.0f}s wall); run dir {self.job.run_dir}")
-
-    def next_batch(self) -> list | None:
-        """The next batch, or None when a stop was requested while waiting for it."""
-        while True:
-            try:
-                return self.executor.prepare_batch(self.stream, self.workflow,
-                                                   self.monitor.accept, timeout=0.5)
-            except TimeoutError:
-                if self.stop.requested:
-                    return None
-
-    def train_one_step(self) -> dict[str, float] | None:
-        t0 = time.perf_counter()
-        trajs = self.next_batch()
-        if trajs is None:
-            return None
-        t1 = time.perf_counter()
-        metrics = batch_metrics(trajs, self.trainer.version.value)
-        metrics.update(self.group.train_step(trajs))  # advances the trainer's version
-        t2 = time.perf_counter()
-        new_version = self.trainer.version.value
-        # the engines serve it when this returns; the executor follows `engines.version`
-        metrics.update(self.executor.run(self.engines.push(
-            self.group.state_dict(), new_version, self.trainer.model.config, self.tokenizer)))
-        t3 = time.perf_counter()
-        self.state.step += 1
-        self.state.data_position = self.stream.position
-        metrics.update(self.monitor.take())
-        if isinstance(self.workflow, ReportsMetrics):
-            metrics.update(self.workflow.metrics())
-        stats = self.executor.stats()
-        metrics.update({
-            "policy/version": float(new_version),
-            "perf/wait_s": t1 - t0, "perf/train_s": t2 - t1, "perf/weight_sync_s": t3 - t2,
-            "perf/train_tokens_per_s": metrics["batch/tokens"] / max(t2 - t1, 1e-9),
-            "rollout/stale_dropped": float(stats["stale_dropped"]),
-            "rollout/failed": float(stats["failed"]),
-            "rollout/running": float(stats["running"]),
-        })
-        return metrics
-
-    def evaluate_and_log(self, initial: bool = False) -> dict[str, float]:
-        t0 = time.perf_counter()
-        report = self.executor.run(self.evaluator.aevaluate(self.engines.engine,
-                                                            self.job.eval_rows))
-        metrics, acc = dict(report.metrics), report.score
-        step = self.state.step
-        self.result.evals.append((step, self.state.train_seconds, acc))
-        if initial:
-            self.result.initial_accuracy = acc
-            self.logger.log(0, {**metrics, "time/elapsed_s": 0.0, "policy/version": 0.0},
-                            force=True)
-        self.result.final_accuracy = acc
-        self.progress.message(f"eval at step {step}: {report.name} {acc:.3g}{report.detail} "
-                              f"({len(self.job.eval_rows)} held-out problems, "
-                              f"{time.perf_counter() - t0:.1f}s)")
-        return metrics
-
-    def checkpoint(self) -> None:
-        self.state.data_position = self.stream.position
-        self.state.rollout = self.executor.state_dict()
-        path = self.group.checkpoint(self.job.run_dir, self.state, keep=3)
-        self.progress.message(f"checkpoint {path}")
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig:

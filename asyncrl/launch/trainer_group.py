@@ -105,10 +105,11 @@ class TrainerGroup:
         self._command("state_dict")
         return self.trainer.model_state_dict()
 
-    def checkpoint(self, run_dir: Path, state: LoopState, keep: int) -> Path:
+    def checkpoint(self, run_dir: Path, state: LoopState, keep: int, rollouts: Any = None
+                   ) -> Path:
         self._command("checkpoint", (run_dir, state, keep))
         return save_run_checkpoint(run_dir, state, self.trainer, self.tokenizer, keep,
-                                   self.critic)
+                                   self.critic, rollouts)
 
     def stop(self) -> None:
         self._command("stop")

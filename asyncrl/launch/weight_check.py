@@ -1,6 +1,7 @@
-"""Do the inference servers hold the trainer's weights? A logprob probe after every update.
+"""Do the inference engines hold the trainer's weights? A logprob canary after every update.
 
-Each server generates a few tokens from one fixed prompt at the training temperature (full
+Each engine (every server, or the in-process engine) generates a few tokens from each prompt of a
+small fixed canary batch at the training temperature (full
 vocabulary: top_p 1, top_k off, so served "processed" logprobs are plain log_softmax(logits/T));
 the trainer scores the same tokens with its current weights. A mean absolute difference above the
 tolerance stops the run with an error naming the server: a server that serves another model, a
@@ -26,21 +27,29 @@ Scorer = Callable[[list[int], list[int]], list[float]]  # (prompt ids, output id
 
 
 class LogprobCheck:
-    def __init__(self, score: Scorer, prompt_ids: list[int], temperature: float,
-                 tolerance: float, new_tokens: int = 16) -> None:
-        self.score, self.prompt_ids = score, list(prompt_ids)
+    def __init__(self, score: Scorer, prompts: list[list[int]], temperature: float,
+                 tolerance: float, new_tokens: int = 4) -> None:
+        if not prompts:
+            raise ValueError("LogprobCheck needs at least one canary prompt")
+        self.score, self.prompts = score, [list(p) for p in prompts]
         self.gconfig = GenerationConfig(max_new_tokens=new_tokens, temperature=temperature,
                                         top_p=1.0, top_k=0)
         self.tolerance = tolerance
 
     async def run(self, engine: Any, version: int) -> dict[str, float]:
-        """Probe every healthy server of `engine` (a RemoteInferenceEngine); raise
-        WeightCheckError if one is off; return the worst server's mean and max differences."""
-        req = ModelRequest(self.prompt_ids, self.gconfig, rid=f"logprob-check-v{version}")
-        worst_mean = worst_max = 0.0
-        results = await engine.generate_on_each(req)
+        """Probe every healthy server of `engine` (a RemoteInferenceEngine), or the in-process
+        engine; raise WeightCheckError if one is off; return the worst engine's mean and max
+        differences."""
+        results = []
+        for i, prompt in enumerate(self.prompts):
+            req = ModelRequest(prompt, self.gconfig, rid=f"logprob-check-v{version}-{i}")
+            if hasattr(engine, "generate_on_each"):
+                results += await engine.generate_on_each(req)
+            else:
+                results.append(("the in-process engine", await engine.agenerate(req)))
         if not results:
             raise WeightCheckError(f"no healthy server to probe at weight version {version}")
+        worst_mean = worst_max = 0.0
         for address, resp in results:
             if not resp.output_tokens:  # EOS first: nothing to compare, and nothing wrong
                 continue

@@ -5,7 +5,13 @@ The trainer thread calls the synchronous API (`submit`, `wait`, `rollout_batch`,
 `pause`, `resume`); episodes run concurrently on the executor's loop so engines stay
 fed while the trainer computes. Trajectories are handed out oldest-start first; one that became
 staler than eta before it was consumed is not trained on: its prompt is queued again, so nothing is
-lost. A workflow that raises is a failed episode with its traceback logged, never a crashed run.
+lost. A workflow that raises is a failed episode, never a crashed run; rejections are logged
+rate-limited and counted in a row (`RejectionLog`), which the job's watchdog reads.
+
+`suspend` interrupts every episode in flight for a checkpoint and takes out everything the
+executor holds (rows not started, trajectories not consumed, suspended episodes with their
+generation journals: rollout/journal.py); `restore` puts a snapshot back, in this process or
+after a restart, and suspended episodes continue from the tokens they had.
 
 The policy version is read from the trainer's `PolicyVersion` (its owner); the executor subscribes
 so that a new version re-opens the staleness capacity at once.
@@ -19,6 +25,8 @@ import itertools
 import logging
 import threading
 import time
+import uuid
+from collections import Counter
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,8 +34,12 @@ from typing import Any
 
 import pydantic
 
-from asyncrl.api import InferenceEngine, PolicyVersion, RolloutStatus, RolloutWorkflow, Trajectory
+from asyncrl.api import (EpisodeRejected, EpisodeSuspended, InferenceEngine, PolicyVersion,
+                         RolloutStatus, RolloutWorkflow, StopReason, Trajectory)
 from asyncrl.config import Config
+from asyncrl.rollout.journal import EpisodeJournal, JournaledEngine
+from asyncrl.rollout.rejections import RejectionLog
+from asyncrl.rollout.snapshot import ReadyEpisode, RolloutSnapshot, SuspendedEpisode
 from asyncrl.rollout.staleness import StalenessManager
 from asyncrl.rollout.trajectory_dump import TrajectoryDump
 
@@ -42,12 +54,24 @@ class RolloutConfig(Config):
     dump_dir: str | None = None  # JSONL of every accepted trajectory, one file per version
 
 
+class RunTimeout(TimeoutError):
+    """`WorkflowExecutor.run` waited longer than its timeout (the coroutine was cancelled)."""
+
+
+def new_episode_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
 @dataclass
 class _Job:
     data: dict[str, Any]
     workflow: RolloutWorkflow
     accept: AcceptFn | None
     batch: int | None = None  # rollout_batch id, to count its finished episodes
+    episode_id: str = field(default_factory=new_episode_id)
+    # a suspended episode continued: its start version and the journal it replays
+    start_version: int | None = None
+    replay: EpisodeJournal | None = None
 
 
 @dataclass(order=True)
@@ -70,9 +94,15 @@ class WorkflowExecutor:
         self.policy_version = version if version is not None else PolicyVersion()
         self.policy_version.subscribe(self._on_new_version)
         self.paused = False
+        self.rejections = RejectionLog(log)
         self._cond = threading.Condition()
         self._pending: deque[_Job] = deque()
+        self._resumed: deque[_Job] = deque()  # suspended episodes to continue (already admitted)
         self._done: list[_Done] = []
+        self._suspending = False
+        self._suspended: list[SuspendedEpisode] = []
+        self.restored: dict[str, str] = {}  # episode id -> outcome, for the last `restore`
+        self.counts: Counter[str] = Counter()  # suspended, restarted, replayed/continued calls
         self._seq = itertools.count()
         self._batch_ids = itertools.count()
         self._batch_finished: dict[int, int] = {}
@@ -136,7 +166,7 @@ class WorkflowExecutor:
             # call (benchmarks/async_sim.py measured 1.86x -> 2.20x at 8 devices from this).
             with self._cond:
                 want = (self.cfg.max_concurrent_rollouts - len(self._pending)
-                        - self.manager.stats.running)
+                        - len(self._resumed) - self.manager.stats.running)
             for _ in range(max(0, want)):
                 self.submit(next(data), workflow, should_accept)
             with self._cond:
@@ -158,7 +188,8 @@ class WorkflowExecutor:
         self._kick()
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the rollout side (see StalenessManager.state_dict)."""
+        """The staleness counters a checkpoint keeps (see StalenessManager.state_dict); the
+        episodes themselves are in the snapshot of `suspend`."""
         with self._cond:
             return self.manager.state_dict()
 
@@ -177,16 +208,105 @@ class WorkflowExecutor:
             self.paused = False
         self._kick()
 
+    # ---- checkpointing the episodes in flight ---------------------------------------------
+
+    def suspend(self, interrupt: Callable[[], None], timeout: float = 60.0) -> RolloutSnapshot:
+        """Stop every episode and take out everything held, for a checkpoint.
+
+        `interrupt()` makes the engines return every generation in flight with its partial
+        output (rollout_engines.RolloutEngines.interrupt). Episodes are then unwound with
+        `EpisodeSuspended` and their journals kept; one that does not end within `timeout` (an
+        agent waiting on something else) is cancelled and its row queued again, as is one that
+        ends with interrupted output it could not keep (an agent through the proxy). The
+        executor stays paused and empty until `restore` and `resume`."""
+        with self._cond:
+            self.paused = self._suspending = True
+        try:
+            interrupt()
+            self.run(self._settle(timeout), timeout=timeout + 30)
+            with self._cond:
+                snap = RolloutSnapshot(
+                    pending=[(j.episode_id, j.data) for j in self._resumed_as_pending()],
+                    ready=[ReadyEpisode(d.job.episode_id, d.job.data, d.start_version, d.traj)
+                           for d in sorted(self._done)],
+                    suspended=self._suspended)
+                self._pending, self._done, self._suspended = deque(), [], []
+                self.manager.take_out(len(snap.ready))
+            return snap
+        finally:
+            with self._cond:
+                self._suspending = False
+
+    def restore(self, snap: RolloutSnapshot, workflow: RolloutWorkflow,
+                should_accept: AcceptFn | None = None) -> None:
+        """Put `snap` back: ready trajectories are consumed first (or dropped if too stale),
+        suspended episodes continue from their journals before new ones start."""
+        with self._cond:
+            self.restored = {}
+            for r in snap.ready:
+                job = _Job(r.data, workflow, should_accept, episode_id=r.episode_id)
+                heapq.heappush(self._done, _Done(r.start_version, next(self._seq), r.trajectory,
+                                                 job))
+                self.restored[r.episode_id] = "ready"
+            for e in snap.suspended:
+                self._resumed.append(_Job(e.data, workflow, should_accept,
+                                          episode_id=e.episode_id, start_version=e.start_version,
+                                          replay=e.journal))
+                self.restored[e.episode_id] = "continuing"
+            for eid, data in reversed(snap.pending):
+                self._pending.appendleft(_Job(data, workflow, should_accept, episode_id=eid))
+                self.restored[eid] = "pending"
+            self.manager.restore(len(snap.ready) + len(snap.suspended))
+            self._cond.notify_all()
+        self._kick()
+
+    def _resumed_as_pending(self) -> list[_Job]:
+        """Rows not started (caller holds the lock); continuations not started yet go back to
+        the suspended episodes with the journals they were to replay."""
+        for j in self._resumed:
+            self._suspended.append(SuspendedEpisode(j.episode_id, j.data, j.start_version,
+                                                    j.replay))
+            self.manager.take_out(1)
+        self._resumed.clear()
+        return [j for j in self._pending if j.batch is None]
+
+    async def _settle(self, timeout: float) -> None:
+        """Wait until every episode ended and every interrupted call is in its journal."""
+        deadline = time.monotonic() + timeout
+
+        def busy() -> bool:
+            return bool(self._tasks) or any(e.journal.in_flight for e in self._suspended)
+
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._tasks:
+            log.warning("suspend: %d episodes did not stop within %gs; they are cancelled and "
+                        "their rows queued again", len(self._tasks), timeout)
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def run(self, coro: Any, timeout: float | None = None) -> Any:
         """Run `coro` on the executor's event loop (where the engine clients live) and return
-        its result: weight pushes and evaluations use the same connections as rollouts."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        its result: weight pushes and evaluations use the same connections as rollouts.
+        Past `timeout` the coroutine is cancelled and RunTimeout raised."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            if fut.done():  # the coroutine's own TimeoutError
+                raise
+            fut.cancel()
+            raise RunTimeout(f"not done after {timeout}s") from None
 
     def stats(self) -> dict[str, Any]:
         s = self.manager.stats
         return {"version": self.version, "submitted": s.submitted, "accepted": s.accepted,
                 "rejected": s.rejected, "failed": s.failed, "stale_dropped": s.stale_dropped,
-                "running": s.running, "pending": len(self._pending), "ready": len(self._done),
+                "running": s.running, "pending": len(self._pending) + len(self._resumed),
+                "ready": len(self._done), "rejected_in_a_row": self.rejections.consecutive,
+                "last_rejection": self.rejections.last_reason, **self.counts,
+                "restored": dict(Counter(self.restored.values())),
                 "staleness_histogram": dict(sorted(s.staleness_histogram.items()))}
 
     def shutdown(self) -> None:
@@ -224,6 +344,10 @@ class WorkflowExecutor:
             await self._wake.wait()
             self._wake.clear()
             with self._cond:
+                while self._resumed and not self.paused:  # admitted before the suspension
+                    job = self._resumed.popleft()
+                    self.manager.on_submit(admitted=True)
+                    self._start(job, job.start_version)
                 while self._pending and not self.paused:
                     job = self._pending[0]
                     synchronous = job.batch is not None
@@ -233,35 +357,88 @@ class WorkflowExecutor:
                         break
                     self._pending.popleft()
                     self.manager.on_submit(counted=not synchronous)
-                    task = self._loop.create_task(self._run(job, self.version))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._start(job, self.version)
+
+    def _start(self, job: _Job, start_version: int) -> None:
+        task = self._loop.create_task(self._run(job, start_version))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _run(self, job: _Job, start_version: int) -> None:
-        status, traj = RolloutStatus.FAILED, None
+        journal = EpisodeJournal()
+        engine = JournaledEngine(self.engine, journal, job.replay, lambda: self._suspending)
+        status, traj, kind, reason, error = RolloutStatus.FAILED, None, "", "", None
         try:
-            traj = await job.workflow.arun_episode(self.engine, job.data)
-            accepted = traj is not None and (job.accept is None or job.accept(traj))
-            status = RolloutStatus.ACCEPTED if accepted else RolloutStatus.REJECTED
+            traj = await job.workflow.arun_episode(engine, job.data)
+            if traj is None:
+                status, kind = RolloutStatus.REJECTED, "returned None"
+                reason = f"workflow {type(job.workflow).__name__} returned None (rejected)"
+            elif job.accept is not None and not job.accept(traj):
+                status, kind = RolloutStatus.REJECTED, "accept rule"
+                reason = (f"the accept rule {getattr(job.accept, '__qualname__', job.accept)} "
+                          f"rejected a trajectory with rewards {sorted(set(traj.rewards))}")
+            else:
+                status = RolloutStatus.ACCEPTED
+        except EpisodeSuspended:
+            return self._on_suspended(job, start_version, journal)
         except asyncio.CancelledError:
+            if self._suspending:  # cancelled by `suspend`: the row runs again
+                self._restart(job)
             raise
-        except Exception:  # boundary: a broken episode is recorded and rejected, the run goes on
-            log.exception("rollout workflow %s failed on data id=%s; episode rejected",
-                          type(job.workflow).__name__, job.data.get("id"))
+        except EpisodeRejected as err:
+            status, kind, reason, error = RolloutStatus.REJECTED, "EpisodeRejected", str(err), err
+        except Exception as err:  # boundary: a broken episode is recorded and rejected, the run goes on
+            kind, error = type(err).__name__, err
+            reason = (f"rollout workflow {type(job.workflow).__name__} raised {err!r} on data "
+                      f"id={job.data.get('id')}")
+        if self._suspending and (status != RolloutStatus.ACCEPTED or any(
+                s.stop_reason is StopReason.ABORT for s in traj.samples)):
+            return self._restart(job)  # it may have ended because of the interruption
+        self.counts["replayed_calls"] += engine.replayed_calls
+        self.counts["continued_calls"] += engine.continued_calls
+        self._finish(job, start_version, status, traj, kind, reason, error)
+
+    def _finish(self, job: _Job, start_version: int, status: RolloutStatus,
+                traj: Trajectory | None, kind: str, reason: str,
+                error: BaseException | None) -> None:
         with self._cond:
             if status == RolloutStatus.ACCEPTED:
                 self.manager.on_accept()
+                self.rejections.accepted()
                 traj.metadata.setdefault("start_version", start_version)
+                traj.metadata.setdefault("episode_id", job.episode_id)
                 heapq.heappush(self._done, _Done(start_version, next(self._seq), traj, job))
                 if self.dump is not None:
                     self.dump.write(traj, job.data, start_version)
             else:
                 self.manager.on_reject(failed=status == RolloutStatus.FAILED,
                                        counted=job.batch is None)
+                self.rejections.rejected(kind, reason, error)
+            self._outcome(job, status.value)
             if job.batch is not None:
                 self._batch_finished[job.batch] += 1
             self._cond.notify_all()
         self._wake.set()
+
+    def _on_suspended(self, job: _Job, start_version: int, journal: EpisodeJournal) -> None:
+        with self._cond:
+            self.manager.on_suspend(counted=job.batch is None)
+            self._suspended.append(SuspendedEpisode(job.episode_id, job.data, start_version,
+                                                    journal))
+            self.counts["suspended"] += 1
+            self._outcome(job, "suspended")
+
+    def _restart(self, job: _Job) -> None:
+        with self._cond:
+            self.manager.on_suspend(counted=job.batch is None)
+            job.replay = job.start_version = None
+            self._pending.appendleft(job)
+            self.counts["restarted"] += 1
+            self._outcome(job, "restarted")
+
+    def _outcome(self, job: _Job, outcome: str) -> None:
+        if job.episode_id in self.restored:
+            self.restored[job.episode_id] = outcome
 
     def _drop_stale(self) -> None:
         """Re-queue the prompts of ready trajectories that got too old (caller holds the lock)."""
@@ -272,11 +449,13 @@ class WorkflowExecutor:
                 keep.append(done)
                 continue
             self.manager.on_stale_drop()
-            self._pending.appendleft(done.job)
+            self._outcome(done.job, "stale_dropped")  # its row runs again as a new episode
+            self._pending.appendleft(_Job(done.job.data, done.job.workflow, done.job.accept))
             self._kick()
         for done in keep:
             heapq.heappush(self._done, done)
 
     def _consume(self, done: _Done) -> Trajectory:
         self.manager.on_consume(done.start_version, self.version, counted=done.job.batch is None)
+        self._outcome(done.job, "consumed")
         return done.traj

@@ -3,7 +3,9 @@
 `GroupedWorkflow(inner, n)` runs `inner.arun_episode` n times concurrently on the same data and
 returns one trajectory holding all their samples, so the advantage estimator sees the group.
 An episode that fails or is rejected leaves the group smaller; fewer than `min_size` survivors
-rejects the whole group (a group of one has no baseline).
+rejects the whole group (a group of one has no baseline) with the first failure as the reason
+(`EpisodeRejected`: the executor counts and logs it, rate-limited). A suspension for a checkpoint
+suspends the whole group.
 
 Evaluation, metrics and closing are the inner workflow's: evaluating runs it once per row.
 """
@@ -14,9 +16,10 @@ import asyncio
 import logging
 from typing import Any
 
-from asyncrl.api import (EvalReport, Evaluator, InferenceEngine, ReportsMetrics, RolloutWorkflow,
-                         Trajectory)
+from asyncrl.api import (EpisodeRejected, EpisodeSuspended, EvalReport, Evaluator,
+                         InferenceEngine, ReportsMetrics, RolloutWorkflow, Trajectory)
 from asyncrl.rollout.episode_eval import EpisodeEvaluator
+from asyncrl.rollout.rejections import RejectionLog
 
 log = logging.getLogger(__name__)
 
@@ -28,20 +31,30 @@ class GroupedWorkflow:
         if not 1 <= min_size <= n:
             raise ValueError(f"min_size={min_size} is out of range; allowed [1, n={n}]")
         self.inner, self.n, self.min_size = inner, n, min_size
+        self.failures = RejectionLog(log)  # episodes lost from groups that still trained
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory | None:
         results = await asyncio.gather(
             *(self.inner.arun_episode(engine, data) for _ in range(self.n)), return_exceptions=True)
-        trajs = []
+        trajs, failures = [], []
         for r in results:
-            if isinstance(r, asyncio.CancelledError):
+            if isinstance(r, (asyncio.CancelledError, EpisodeSuspended)):
                 raise r
             if isinstance(r, BaseException):
-                log.warning("episode of group %s failed: %r", data.get("id"), r)
+                failures.append(r)
             elif r is not None:
                 trajs.append(r)
+        first = _describe(failures[0]) if failures else ""
+        if failures and len(trajs) >= self.min_size:
+            self.failures.rejected(type(failures[0]).__name__, f"{len(failures)} of {self.n} "
+                                   f"episodes of group {data.get('id')!r} were rejected or "
+                                   f"failed: {first}", failures[0])
         if len(trajs) < self.min_size:
-            return None
+            if not failures:
+                return None
+            raise EpisodeRejected(
+                f"{len(trajs)} of {self.n} episodes of group {data.get('id')!r} survived "
+                f"(min_size {self.min_size}); first failure: {first}") from failures[0]
         samples = [s for t in trajs for s in t.samples]
         return Trajectory(samples, group_id=str(data.get("id", "")),
                           metadata={"episodes": len(trajs)})
@@ -57,3 +70,7 @@ class GroupedWorkflow:
         close = getattr(self.inner, "aclose", None)
         if close is not None:
             await close()
+
+
+def _describe(err: BaseException) -> str:
+    return str(err) if isinstance(err, EpisodeRejected) else repr(err)

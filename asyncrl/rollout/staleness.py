@@ -52,10 +52,12 @@ class StalenessManager:
         by_staleness = (self.eta + version + 1) * self.batch_size - self._budget_used
         return max(0, min(by_concurrency, by_staleness))
 
-    def on_submit(self, counted: bool = True) -> None:
-        self.stats.submitted += 1
+    def on_submit(self, counted: bool = True, admitted: bool = False) -> None:
+        """`admitted`: a suspended episode continuing (already submitted and in the budget)."""
         self.stats.running += 1
-        self._budget_used += counted
+        if not admitted:
+            self.stats.submitted += 1
+            self._budget_used += counted
 
     def on_accept(self) -> None:
         self.stats.running -= 1
@@ -77,9 +79,24 @@ class StalenessManager:
         self.stats.stale_dropped += 1
         self._budget_used -= 1
 
+    def on_suspend(self, counted: bool = True) -> None:
+        """A running episode was suspended (or cancelled to run again): it leaves the budget
+        until `restore` brings it back."""
+        self.stats.running -= 1
+        self._budget_used -= counted
+
+    def take_out(self, n: int) -> None:
+        """`n` ready or suspended episodes leave the executor for a checkpoint."""
+        self._budget_used -= n
+
+    def restore(self, n: int) -> None:
+        """`n` ready or suspended episodes come back from a checkpoint: they count again."""
+        self._budget_used += n
+
     def state_dict(self) -> dict[str, Any]:
         """The counters a resumed run continues from. Episodes running or ready now are not in
-        it: a resume starts without them, so the budget it restores is the consumed count."""
+        it (they are in the executor's snapshot, put back with `restore`): the budget it restores
+        is the consumed count."""
         stats = asdict(self.stats)
         stats.pop("running")
         stats["staleness_histogram"] = {str(k): v for k, v in stats["staleness_histogram"].items()}

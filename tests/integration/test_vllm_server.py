@@ -234,7 +234,7 @@ def test_logprob_check_catches_a_reload_that_left_a_tied_head_stale(vllm_python,
                                                 resp.output_logprobs)]
             truth = sum(diffs) / len(diffs)  # the check's statistic, on a sample of its own
             try:
-                await LogprobCheck(score, PROMPT, 1.0, 0.05).run(engine, 1)
+                await LogprobCheck(score, [PROMPT], 1.0, 0.05).run(engine, 1)
                 caught = False
             except WeightCheckError:
                 caught = True
