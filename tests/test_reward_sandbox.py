@@ -356,6 +356,11 @@ def test_worker_killed_mid_sandbox_takes_the_sandbox_with_it(pool):
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not sandbox_processes()
+    # and its work dir is gone at once, not at some later sandbox call
+    dead = [p for p in Path(tempfile.gettempdir()).glob(f"{sandbox_module.WORKDIR_PREFIX}*-*")
+            if not sandbox_module._alive(int(p.name[len(sandbox_module.WORKDIR_PREFIX):]
+                                             .split("-", 1)[0]))]
+    assert dead == []
 
 
 def test_hung_python_reward_is_killed(pool):

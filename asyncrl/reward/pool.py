@@ -44,6 +44,7 @@ from typing import Any, Literal
 import pydantic
 
 from asyncrl.config import Config
+from asyncrl.reward.sandbox import remove_workdirs_of
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class RewardPool:
         _kill_group(worker)
         worker.process.join()
         worker.conn.close()
+        remove_workdirs_of(worker.process.pid)  # a sandbox it was running leaves no directory
         with self._lock:
             self._workers.discard(worker)
 

@@ -265,12 +265,19 @@ def _reachable_by_others(path: str) -> bool:
 
 
 def _remove_stale_workdirs() -> None:
-    """Delete work dirs of processes that died mid-run (a RewardPool worker killed on timeout)."""
+    """Delete work dirs of processes that died mid-run and nobody cleaned up after."""
     root = Path(tempfile.gettempdir())
     for path in root.glob(f"{WORKDIR_PREFIX}*-*"):
         owner = path.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
         if owner.isdigit() and not _alive(int(owner)):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_workdirs_of(pid: int) -> None:
+    """Delete the work dirs of process `pid`, which is dead (the RewardPool calls this right
+    after it kills a worker that was running a sandbox, so nothing waits for a later call)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}{pid}-*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
