@@ -41,7 +41,6 @@ def bounded(executor: WorkflowExecutor, coro: Any, limit: float, what: str, sett
         raise Watchdog.timed_out(what, setting, limit, f"rollouts: {executor.stats()}") from None
 
 
-
 class TrainLoop:
     """One run's mutable state; `run` is the loop of the module docstring."""
 
