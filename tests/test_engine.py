@@ -400,11 +400,39 @@ def test_wide_decode_batch_logprobs(model_dir, hf, fast, cpu_kernels):
         assert_logprobs(hf, p, o, 0.8)
 
 
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(model_dir):
+    """An engine step that raises (a request it cannot serve, a transient device error) ends the
+    unfinished requests with EngineStepError; the next request is served as usual."""
+    from asyncrl.inference.async_engine import EngineStepError
+
+    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128))
+    real_step, calls = engine.engine.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step()
+
+    engine.engine.step = flaky_step
+
+    async def main():
+        with pytest.raises(EngineStepError, match="illegal memory access"):
+            await engine.agenerate(ModelRequest([1, 2, 3], greedy(4)))
+        return await engine.agenerate(ModelRequest([1, 2, 3], greedy(4)))
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert out.output_len == 4 and out.stop_reason == StopReason.LENGTH
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_engine_thread_fails_callers_and_control_calls_instead_of_hanging(model_dir):
-    """An engine step that raises kills the engine thread: the caller waiting on a generation
-    and every later control call (pause, abort) get EngineDeadError, none waits forever."""
-    from asyncrl.inference.async_engine import EngineDeadError
+    """Steps that fail MAX_FAILED_STEPS times in a row stop the engine thread: the caller then
+    waiting and every later control call (pause, abort) get EngineDeadError, none waits."""
+    from asyncrl.inference.async_engine import MAX_FAILED_STEPS, EngineDeadError, EngineStepError
 
     engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128))
 
@@ -414,6 +442,9 @@ def test_a_dead_engine_thread_fails_callers_and_control_calls_instead_of_hanging
     engine.engine.step = broken_step
 
     async def main():
+        for _ in range(MAX_FAILED_STEPS - 1):
+            with pytest.raises(EngineStepError):
+                await engine.agenerate(ModelRequest([1, 2, 3], greedy(4)))
         with pytest.raises(EngineDeadError, match="illegal memory access"):
             await engine.agenerate(ModelRequest([1, 2, 3], greedy(4)))
 

@@ -13,6 +13,7 @@ group into one request per sample, which also lets the samples share the batch f
 from __future__ import annotations
 
 import asyncio
+import logging
 import concurrent.futures
 import queue
 import threading
@@ -27,12 +28,21 @@ from asyncrl.api import (ModelRequest, ModelResponse, StopReason, WeightUpdateKi
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.inference.model_runner import iter_safetensors
 
+log = logging.getLogger(__name__)
+
 
 CONTROL_TIMEOUT_S = 300.0  # pause / resume / abort: applied between two engine steps
 
 
+MAX_FAILED_STEPS = 3  # steps failing in a row stop the engine thread (the fault is not a request)
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; the original exception is the __cause__."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was unfinished; the engine goes on."""
 
 
 @dataclass
@@ -219,11 +229,20 @@ class AsyncLLMEngine:
             self._notify(req.rid, None, err)
 
     def _run(self) -> None:
+        failed_steps = 0
         try:
             while not self._closed:
                 self._drain_commands()
                 if self.engine.has_unfinished() and not self.engine.paused:
-                    finished = self.engine.step()
+                    try:
+                        finished = self.engine.step()
+                    except Exception as err:
+                        failed_steps += 1
+                        if failed_steps >= MAX_FAILED_STEPS:
+                            raise
+                        self._fail_unfinished(err)
+                        continue
+                    failed_steps = 0
                     self._stream_progress()
                     self._deliver(finished)
                 else:
@@ -245,6 +264,16 @@ class AsyncLLMEngine:
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(EngineDeadError(f"engine thread died: {err!r}"))
             raise
+
+    def _fail_unfinished(self, err: Exception) -> None:
+        """A step raised: its requests may be what broke it, so every unfinished one ends with
+        EngineStepError (a server answers 500; the remote client retries elsewhere from the
+        tokens it streamed) and the engine goes on with the next requests."""
+        log.warning("engine step failed (%r); its %d unfinished requests end with an error",
+                    err, len(self.engine.scheduler.find(None)))
+        for resp in self.engine.abort():
+            self._notify(resp.rid, None, EngineStepError(
+                f"request {resp.rid}: an engine step failed with {err!r}"))
 
     def _drain_commands(self) -> None:
         while True:
