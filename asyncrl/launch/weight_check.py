@@ -1,4 +1,4 @@
-"""Do the inference engines hold the trainer's weights? A logprob canary after every update.
+"""Do the inference engines hold the trainer's weights? A logprob canary after weight updates.
 
 Each engine (every server, or the in-process engine) generates a few tokens from each prompt of a
 small fixed canary batch at the training temperature (full

@@ -19,6 +19,7 @@ their generations (rewards, environments); one that is not still trains on exact
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,8 @@ from asyncrl.inference.continuation import Progress
 
 
 def _key(input_ids: list[int], g: GenerationConfig) -> tuple:
-    return (tuple(input_ids), g.max_new_tokens, g.min_new_tokens, g.temperature, g.top_p,
-            g.top_k, g.greedy, tuple(g.stop_token_ids), tuple(g.stop), g.seed)
+    """What makes two calls the same request: the prompt ids and every sampling field."""
+    return (list(input_ids), dataclasses.astuple(g))
 
 
 @dataclass
@@ -76,10 +77,9 @@ class JournaledEngine:
     def __init__(self, engine: InferenceEngine, journal: EpisodeJournal,
                  replay: EpisodeJournal | None, suspending: Any) -> None:
         self._engine, self.journal, self._suspending = engine, journal, suspending
-        self._replay = copy.copy(replay) if replay is not None else None
-        if self._replay is not None:
-            self._replay.finished = list(replay.finished)
-            self._replay.partial = list(replay.partial)
+        # a copy whose lists this episode consumes (the snapshot keeps the original)
+        self._replay = (EpisodeJournal(list(replay.finished), list(replay.partial))
+                        if replay is not None else None)
         self.replayed_calls = self.continued_calls = 0
 
     def __getattr__(self, name: str) -> Any:
