@@ -166,6 +166,21 @@ def test_inference_launch_config_refuses_what_cannot_run():
         C.from_dict({"backend": "vllm"})
     with pytest.raises(ConfigError, match="set only that one"):
         C.from_dict({"mode": "remote", "backend": "vllm", "remote": remote})
+    assert C.from_dict({"mode": "local", "weight_sync": "gloo"}).sync_kind == "gloo"
+    with pytest.raises(ConfigError, match="weight_sync='nccl' needs servers"):
+        C.from_dict({"weight_sync": "nccl"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_nccl_sync_without_cuda_is_refused_at_start(tmp_path):
+    from asyncrl.launch.rollout_engines import open_rollout_engines
+    from asyncrl.launch.train_config import InferenceLaunchConfig as C
+
+    cfg = C.from_dict({"mode": "remote", "weight_sync": "nccl",
+                       "remote": {"addresses": ["http://127.0.0.1:9"]}})
+    with pytest.raises(ValueError, match="needs CUDA in the trainer process.*allowed here: gloo"):
+        with open_rollout_engines(cfg, tmp_path, tmp_path / "logs"):
+            pass
 
 
 # ---- vLLM and SGLang adapters on recorded shapes ---------------------------------------------

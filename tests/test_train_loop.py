@@ -55,8 +55,10 @@ def metrics(run_dir):
 
 def test_short_loop_through_two_http_servers(model_dir, tmp_path):
     eta = 1
+    # weights reach the two servers by broadcast over a gloo weight group (the NCCL path on GPUs)
     cfg = small_config(model_dir, tmp_path / "run", **{"inference.mode": "local",
-                                                       "inference.num_servers": 2})
+                                                       "inference.num_servers": 2,
+                                                       "inference.weight_sync": "gloo"})
     result = Trainer(cfg).train(workflow=digit_reward)
     assert result.steps == 3 and result.stopped_by == "total_steps"
     rows = [m for m in metrics(tmp_path / "run") if "reward/mean" in m]

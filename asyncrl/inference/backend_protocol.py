@@ -88,6 +88,27 @@ def version_verdict(server: str, tested: tuple[tuple[int, ...], tuple[int, ...]]
     return verdict
 
 
+@dataclass(frozen=True)
+class GroupJoin:
+    """Where a server joins the trainer's weight-broadcast group (rank 0 is the trainer)."""
+
+    master_addr: str
+    master_port: int
+    world_size: int  # 1 (trainer) + every engine rank of every server
+    rank_offset: int  # this server's first rank in the group
+    group_name: str
+    backend: str  # "nccl" or "gloo"
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """One tensor of a broadcast update, as the receiving server is told about it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+
+
 @dataclass
 class Delta:
     """One event of a streamed generation call: new tokens, and the stop reason on the last."""
@@ -131,6 +152,21 @@ class Backend(Protocol):
 
     def server_checks(self) -> list[ServerCheck]:
         """What must hold before the server is used (version, routes, logprobs mode)."""
+
+    # Collective weight sync (`inference.weight_sync: nccl | gloo`); None when unsupported.
+    # broadcast_layout: how the trainer sends one update: "buckets" (a [version, count] header,
+    # then same-dtype tensors flattened into buckets; inference/weight_group.py) or "per_tensor"
+    # (one broadcast per tensor, in the order of the update call's list).
+    broadcast_layout: str | None
+
+    def join_group_call(self, join: GroupJoin) -> HttpCall:
+        """The call that makes the server join the group; it returns once the group has formed,
+        so it is sent while the trainer builds its own end."""
+
+    def distributed_update_calls(self, tensors: list[WireTensor], version: int
+                                 ) -> list[HttpCall]:
+        """The calls that make the server receive one broadcast update (sent while the trainer
+        broadcasts) and then serve `version`."""
 
 
 def reply_field(body: Any, *keys: str | int) -> Any:

@@ -24,9 +24,11 @@ from asyncrl.inference.backend_protocol import (
     Backend,
     BackendReplyError,
     Delta,
+    GroupJoin,
     HttpCall,
     Segment,
     ServerCheck,
+    WireTensor,
     reply_field,
 )
 from asyncrl.inference.sglang_backend import SGLangBackend
@@ -40,6 +42,7 @@ class AsyncrlBackend:
     supports_tensor_push = True
     supports_stream = True
     needs_untied_head = False
+    broadcast_layout = "buckets"  # the receiver reads the spec and bucket plan from the store
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # unused: the server serves one model
@@ -105,6 +108,17 @@ class AsyncrlBackend:
 
     def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
         return [HttpCall("POST", "/update_weights", json={"path": path, "version": version})]
+
+    def join_group_call(self, join: GroupJoin) -> HttpCall:
+        return HttpCall("POST", "/weights/join_group", json={
+            "master_addr": join.master_addr, "master_port": join.master_port,
+            "world_size": join.world_size, "rank": join.rank_offset,
+            "group_name": join.group_name, "backend": join.backend})
+
+    def distributed_update_calls(self, tensors: list[WireTensor], version: int
+                                 ) -> list[HttpCall]:
+        # names, shapes and dtypes are in the group's spec already (published when it formed)
+        return [HttpCall("POST", "/weights/update_distributed", json={"version": version})]
 
     def server_checks(self) -> list[ServerCheck]:
         def verdict(status: int, body: Any) -> str | None:

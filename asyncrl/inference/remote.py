@@ -61,6 +61,7 @@ from asyncrl.inference.remote_errors import (
     json_or_text,
     reply_body,
 )
+from asyncrl.inference.remote_group import GroupSync
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool, ServerState
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class RemoteInferenceEngine:
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._control = ControlFanout(cfg, self.pool, self._headers)
         self._background: set[asyncio.Task] = set()
+        self._group: GroupSync | None = None  # collective weight sync, formed on first use
 
     # ---- InferenceEngine protocol -----------------------------------------------------------
 
@@ -151,18 +153,23 @@ class RemoteInferenceEngine:
     async def update_weights(
         self, meta: WeightUpdateMeta, weights: Mapping[str, Any] | None = None,
     ) -> None:
-        """Load `meta.version` on every server: DISK by path, TENSORS pushed in buckets; then
-        each server must report `meta.version` on its health route before this returns.
+        """Load `meta.version` on every server: DISK by path, TENSORS pushed in buckets,
+        DISTRIBUTED broadcast over the weight group (remote_group.py); then each server must
+        report `meta.version` on its health route before this returns.
 
         A server that cannot be reached misses the update and leaves the rotation until a probe
         finds it at this version (servers that report one; the next update is sent to it too);
         a server that answers with an error, or reports another version afterwards, fails the call.
         """
-        jobs = self._weight_jobs(meta, weights)
-        results = await asyncio.gather(*jobs.values(), return_exceptions=True)
+        if meta.kind == WeightUpdateKind.DISTRIBUTED:
+            outcome = await self._group_sync().update(self.pool.servers, meta, weights)
+        else:
+            jobs = self._weight_jobs(meta, weights)
+            outcome = dict(zip(jobs, await asyncio.gather(*jobs.values(),
+                                                           return_exceptions=True)))
         errors, updated = [], 0
-        for server, result in zip(jobs, results):
-            if not isinstance(result, BaseException):
+        for server, result in outcome.items():
+            if result is None or not isinstance(result, BaseException):
                 self.pool.set_version(server, meta.version)
                 updated += 1
             elif isinstance(result, (ServerFailure, httpx.TransportError)):
@@ -194,6 +201,8 @@ class RemoteInferenceEngine:
             clients = list(self._clients.items())
             self._clients.clear()
         self._control.close()
+        if self._group is not None:
+            self._group.close()
         for loop, client in clients:
             if loop.is_running():  # a stopped loop would never run it; GC closes those sockets
                 asyncio.run_coroutine_threadsafe(client.aclose(), loop)
@@ -394,7 +403,14 @@ class RemoteInferenceEngine:
 
             return {s: push(s) for s in servers}
         raise ValueError(f"kind={meta.kind.value!r} is not supported by the remote client; "
-                         f"allowed {[WeightUpdateKind.DISK.value, WeightUpdateKind.TENSORS.value]}")
+                         f"allowed {[k.value for k in WeightUpdateKind]}")
+
+    def _group_sync(self) -> GroupSync:
+        if self._group is None:
+            self._group = GroupSync(self.backend, self._request, self._update_and_verify,
+                                    self.cfg.ranks_per_server, self.cfg.control_timeout_s,
+                                    self.cfg.connect_timeout_s)
+        return self._group
 
     async def _update_and_verify(self, server: ServerState, calls: list[HttpCall],
                                  version: int) -> None:

@@ -27,12 +27,21 @@ from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.inference.http_auth import BearerKey
 from asyncrl.inference.http_errors import InternalErrors, error_body, install_error_handlers
-from asyncrl.inference.http_schema import AbortBody, DiskWeightsBody, GenerateBody
+from asyncrl.inference.http_schema import (
+    AbortBody,
+    DiskWeightsBody,
+    DistributedUpdateBody,
+    GenerateBody,
+    JoinGroupBody,
+)
 from asyncrl.inference.metrics import EngineMetrics
 from asyncrl.inference.openai_routes import add_openai_routes
 from asyncrl.inference.weight_buckets import WeightStaging
+from asyncrl.inference.weight_group import DistributedWeightReceiver
 
 WEIGHTS_PATH = "/update_weights/tensors"
+JOIN_GROUP_PATH = "/weights/join_group"
+GROUP_UPDATE_PATH = "/weights/update_distributed"
 
 
 class ServerConfig(Config):
@@ -160,6 +169,56 @@ def add_control_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
         meta = WeightUpdateMeta(kind=WeightUpdateKind.TENSORS, version=new_version)
         await engine.update_weights(meta, tensors)
         return {"staged_tensors": staged, "version": engine.get_version()}
+
+    add_group_routes(app, engine)
+
+
+def add_group_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    """Weights by collective broadcast: join the trainer's group once, then receive each update
+    (the trainer broadcasts while the update call waits here). A new join replaces the group."""
+    state: dict[str, Any] = {"receiver": None}
+    lock = asyncio.Lock()  # one join or update at a time: the group is one ordered stream
+
+    @app.post(JOIN_GROUP_PATH)
+    async def join_group(body: JoinGroupBody) -> dict:
+        meta = WeightUpdateMeta(
+            kind=WeightUpdateKind.DISTRIBUTED, version=engine.get_version(),
+            master_addr=body.master_addr, master_port=body.master_port,
+            world_size=body.world_size, group_name=body.group_name, backend=body.backend)
+        async with lock:
+            old, state["receiver"] = state["receiver"], None
+            if old is not None:
+                old.close()
+            try:
+                receiver = await asyncio.to_thread(
+                    DistributedWeightReceiver, meta, body.rank, body.timeout_s)
+            except ValueError:
+                raise
+            except Exception as err:  # the rendezvous failed: the trainer's end, not ours
+                raise HTTPException(503, f"could not join the weight group at "
+                                         f"{body.master_addr}:{body.master_port} as rank "
+                                         f"{body.rank}: {err}") from err
+            state["receiver"] = receiver
+        return {"success": True, "rank": body.rank, "tensors": len(receiver.spec)}
+
+    @app.post(GROUP_UPDATE_PATH)
+    async def update_distributed(body: DistributedUpdateBody) -> dict:
+        async with lock:
+            receiver = state["receiver"]
+            if receiver is None:
+                raise HTTPException(409, f"this server has joined no weight group; POST "
+                                         f"{JOIN_GROUP_PATH} first")
+            try:
+                version, tensors = await asyncio.to_thread(receiver.receive)
+            except Exception as err:  # a broken group cannot be reused: the trainer re-forms it
+                state["receiver"] = None
+                receiver.close()
+                raise HTTPException(503, f"receiving the weight broadcast failed: {err}") from err
+            if version != body.version:
+                raise HTTPException(409, f"the trainer broadcast version {version}, the call "
+                                         f"announced version {body.version}")
+            await engine.update_weights(WeightUpdateMeta.from_tensors(version), tensors)
+        return {"success": True, "version": engine.get_version()}
 
 
 def generate_reply(resp: ModelResponse) -> dict[str, Any]:

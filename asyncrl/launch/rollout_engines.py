@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
-from asyncrl.api import InferenceEngine, PolicyVersion, WeightUpdateMeta
+from asyncrl.api import InferenceEngine, PolicyVersion, WeightUpdateKind, WeightUpdateMeta
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck
 
@@ -44,6 +46,7 @@ class RolloutEngines:
         self.servers = servers  # LocalServers, when this job started them
         self.check: LogprobCheck | None = None  # attached by the job (it needs the trainer)
         self._updates = 0
+        self.group_addr = cfg.group_addr or _route_addr(self.urls)  # nccl / gloo sync
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int,
                    hf_config: Any = None, tokenizer: Any = None) -> dict[str, float]:
@@ -57,6 +60,12 @@ class RolloutEngines:
                                     tokenizer, untie=self.untie)
             _remove_older(self.weights_dir, version)
             meta, sent = WeightUpdateMeta.from_disk(str(path), version), None
+        elif self.cfg.sync_kind in ("nccl", "gloo"):
+            meta = WeightUpdateMeta(
+                kind=WeightUpdateKind.DISTRIBUTED, version=version,
+                master_addr=self.group_addr, master_port=self.cfg.group_port,
+                world_size=1 + len(self.urls), backend=self.cfg.sync_kind,
+                bucket_bytes=self.cfg.bucket_bytes)
         else:
             meta = WeightUpdateMeta.from_tensors(version, self.cfg.bucket_bytes)
         if not self.remote:
@@ -91,6 +100,17 @@ class RolloutEngines:
         return {}
 
 
+def _route_addr(urls: list[str]) -> str:
+    """This machine's address on the route to the first server (what it can connect back to);
+    a UDP connect sends nothing."""
+    host = urlsplit(urls[0]).hostname if urls else None
+    if not host or host in ("localhost", "127.0.0.1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
 def _remove_older(weights_dir: Path, version: int) -> None:
     """Disk sync keeps the newest two weight directories (one may still be loading)."""
     for old in weights_dir.glob("v*"):
@@ -103,6 +123,10 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
                          detokenize: Any = None, version: int = 0) -> Iterator[RolloutEngines]:
     """`version`: of the weights in `model_dir` (a resumed checkpoint's)."""
     weights_dir = log_dir.parent / "weights"  # disk sync only; created on first use
+    if cfg.sync_kind == "nccl" and not torch.cuda.is_available():
+        raise ValueError("inference.weight_sync='nccl' needs CUDA in the trainer process and "
+                         "this one has none; allowed here: gloo (the same broadcast over TCP), "
+                         "tensors (asyncrl servers), disk")
     if cfg.mode == "inprocess":
         from asyncrl.inference.async_engine import AsyncLLMEngine
         from asyncrl.inference.engine import EngineConfig, LLMEngine

@@ -75,8 +75,10 @@ class InferenceLaunchConfig(Config):
       (asyncrl serve; vLLM or SGLang from `server_python`, the interpreter that has them).
     - remote: servers someone else runs (`remote.addresses`, `remote.backend`).
 
-    Weights reach servers as HTTP tensor buckets (asyncrl) or a directory they load (every
-    backend); `weight_sync: auto` picks buckets where the backend has them. Every server is
+    Weights reach servers as HTTP tensor buckets (asyncrl), a directory they load (every
+    backend) or a collective broadcast over NCCL / gloo (`nccl`, `gloo`: every backend; the
+    servers join a process group with the trainer); `weight_sync: auto` picks HTTP buckets
+    where the backend has them, else disk. Every server is
     checked before use (version range, routes, logprobs mode), must report each new version,
     and every `check_logprobs_every` updates every engine (in process too) generates on a small
     canary batch whose logprobs the trainer compares with its own (a wrong model, a failed
@@ -95,8 +97,15 @@ class InferenceLaunchConfig(Config):
     engine: EngineSettings = EngineSettings(max_num_seqs=256, num_threads=1)
     startup_timeout_s: float = pydantic.Field(300.0, gt=0)  # local servers
     remote: RemoteEngineConfig | None = None
-    weight_sync: Literal["auto", "tensors", "disk"] = "auto"
+    # nccl / gloo: a collective broadcast from the trainer to every server (a weight group the
+    # servers join; nccl between GPUs, gloo the same path over TCP on CPUs)
+    weight_sync: Literal["auto", "tensors", "disk", "nccl", "gloo"] = "auto"
     bucket_bytes: int = pydantic.Field(64 << 20, ge=1 << 16)
+    # nccl / gloo: the trainer's address the servers connect to (None: 127.0.0.1 for local
+    # servers; for remote ones, this machine's address on the route to the first server) and
+    # the rendezvous port (0: a free one)
+    group_addr: str | None = None
+    group_port: int = pydantic.Field(0, ge=0, le=65535)
     # weight pushes between logprob canaries; 0: never. None (auto): every push to servers (the
     # transfer can go wrong), every 20th in process (a canary there waits for the busy engine:
     # 0.35-0.40 s on the main job, against 0.6 s steps; the tensors are copied in memory)
@@ -118,9 +127,14 @@ class InferenceLaunchConfig(Config):
             raise ValueError(f"inference.backend={self.backend!r} needs inference.mode='local' "
                              "(the job starts the servers) or 'remote'; 'inprocess' runs the "
                              "built-in engine")
+        if self.mode == "inprocess" and self.weight_sync in ("nccl", "gloo"):
+            raise ValueError(f"inference.weight_sync={self.weight_sync!r} needs servers "
+                             "(inference.mode 'local' or 'remote'); the in-process engine takes "
+                             "the weights in memory (allowed: auto, tensors, disk)")
         if self.weight_sync == "tensors" and self.server_backend != "asyncrl":
             raise ValueError(f"inference.weight_sync='tensors' is not supported by backend "
-                             f"{self.server_backend!r} (no HTTP tensor route); allowed: auto, disk")
+                             f"{self.server_backend!r} (no HTTP tensor route); allowed: auto, disk, nccl, "
+                             "gloo")
         return self
 
     @property
@@ -136,7 +150,7 @@ class InferenceLaunchConfig(Config):
 
     @property
     def sync_kind(self) -> str:
-        """'tensors' or 'disk', with auto resolved."""
+        """'tensors', 'disk', 'nccl' or 'gloo', with auto resolved."""
         if self.weight_sync != "auto":
             return self.weight_sync
         return "tensors" if self.server_backend == "asyncrl" else "disk"
