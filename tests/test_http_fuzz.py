@@ -5,7 +5,9 @@ keep-alive session; no response may be a 5xx (`not_a_server_error`) and every 4x
 OpenAI's error shape. Generation is bounded: the tiny model, max_tokens capped at 4 (the fuzzer
 asks for anything; the servers refuse more), a fixed number of examples per operation and
 derandomized Hypothesis, so a run is reproducible and takes well under a minute on 2 cores.
-`/pause` and `/resume` are left out: a paused engine holds generation requests by design.
+`/pause` and `/resume` are left out: a paused engine holds generation requests by design; so are
+the weight-group routes, whose calls wait for the trainer's end of a broadcast by design
+(tests/test_weight_sync.py drives them with a real trainer).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class Fuzzer:
 def test_fuzz_inference_server(serve_url):
     t0 = time.perf_counter()
     fuzz = Fuzzer(serve_url)
-    fuzz.run(auth(KEY), skip=("/pause", "/resume"))
+    fuzz.run(auth(KEY), skip=("/pause", "/resume", "/weights/join_group",
+                              "/weights/update_distributed"))
     fuzz.run({}, modes=(GenerationMode.POSITIVE,), examples=5)
     print(f"\nasyncrl serve: {sum(fuzz.statuses.values())} requests in "
           f"{time.perf_counter() - t0:.1f} s, statuses {dict(sorted(fuzz.statuses.items()))}")
