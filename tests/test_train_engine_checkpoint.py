@@ -1,4 +1,8 @@
-"""Checkpoint resume is exact: 4 steps == 2 steps, save, fresh engine, load, 2 steps."""
+"""Checkpoint resume is exact on one process: 4 steps == 2 steps, save, fresh engine, load, 2 steps.
+
+Resuming on another world size (sharded state saved on 2 ranks, loaded on 1 and 2, and back)
+is tested with FSDP in test_train_engine_fsdp.py.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,13 @@ from safetensors.torch import load_file
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.checkpoint import MODEL_FILE, load_checkpoint, save_checkpoint
+from asyncrl.train.checkpoint import (
+    MODEL_FILE,
+    STATE_DIR,
+    TRAINER_FILE,
+    load_checkpoint,
+    save_checkpoint,
+)
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
 from asyncrl.train.losses import sft_loss
 from asyncrl.train.optim import OptimizerConfig
@@ -91,6 +101,20 @@ def test_resume_is_exact(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
     # The weights file is plain safetensors with every tensor of the model's state dict.
     assert set(load_file(str(ckpt / MODEL_FILE))) == set(first.model.state_dict())
+    assert sorted(p.name for p in ckpt.iterdir()) == [MODEL_FILE, STATE_DIR, TRAINER_FILE]
+
+
+def test_forward_only_engine_loads_the_weights_of_a_checkpoint_without_export(tmp_path):
+    model_dir = build_tiny_model(TINY, tmp_path / "tiny")
+    trained = HFTrainEngine(load_causal_lm(model_dir), CFG)
+    train(trained, range(1))
+    trained.save(tmp_path / "ckpt", full_weights=False)
+    assert not (tmp_path / "ckpt" / MODEL_FILE).exists()
+    ref = HFTrainEngine(load_causal_lm(model_dir), CFG.model_copy(update={"trainable": False}))
+    ref.load(tmp_path / "ckpt")
+    assert ref.optimizer is None and ref.step == 1
+    for (name, a), b in zip(trained.model.named_parameters(), ref.model.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_resume_without_rng_restore_differs(tmp_path):
@@ -109,5 +133,5 @@ def test_resume_without_rng_restore_differs(tmp_path):
 def test_load_missing_checkpoint_names_the_file(tmp_path):
     model_dir = build_tiny_model(TINY, tmp_path / "tiny")
     engine = HFTrainEngine(load_causal_lm(model_dir), CFG)
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="has no state; expected a directory written by"):
         load_checkpoint(engine, tmp_path / "nope")

@@ -2,12 +2,13 @@
 state.json, rollouts.pkl}.
 
 `policy/` is a plain HF model directory (weights + tokenizer) that `asyncrl eval`, `asyncrl serve`
-or vLLM load directly; `trainer/` holds the full training state (weights, optimizer, LR schedule,
-RNG, the policy version); `state.json` the loop's own position (step, data position, elapsed
-time) and the rollout side's staleness counters; `rollouts.pkl` the episodes in flight (rows
-queued, trajectories not consumed, suspended generations: rollout/snapshot.py). A checkpoint is
-written under a hidden name and renamed into place, then `latest` is updated, so a crash mid-write
-never leaves a checkpoint that looks complete.
+or vLLM load directly; `trainer/` holds the full training state (weights and optimizer sharded
+by rank, resumable on another world size; LR schedule, RNG, the policy version); `state.json`
+the loop's own position (step, data position, elapsed time) and the rollout side's staleness
+counters; `rollouts.pkl` the episodes in flight (rows queued, trajectories not consumed,
+suspended generations: rollout/snapshot.py). A checkpoint is written under a hidden name and
+renamed into place, then `latest` is updated, so a crash mid-write never leaves a checkpoint that
+looks complete.
 
 This module owns that layout: saving and resuming (`latest_checkpoint`) as well as finding the
 policy that `asyncrl eval` loads (`find_policy_dir`) go through the names below.
@@ -67,9 +68,10 @@ def read_latest(checkpoints: Path) -> str | None:
 
 def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer: Any,
                         keep: int, critic: Any = None, rollouts: Any = None) -> Path:
-    """Every trainer rank calls this (the weights are gathered and saved collectively);
-    rank 0 writes the files. A critic (estimator gae) is saved under `critic/`, the episodes in
-    flight (`rollouts`, a RolloutSnapshot, rank 0's) as `rollouts.pkl`."""
+    """Every trainer rank calls this (the weights are gathered for policy/ and the sharded
+    training state written collectively); rank 0 writes the other files. A critic (estimator
+    gae) is saved under `critic/`, the episodes in flight (`rollouts`, a RolloutSnapshot,
+    rank 0's) as `rollouts.pkl`."""
     from asyncrl.models.export import save_weights_dir
 
     final = step_dir(run_dir, state.step)
@@ -81,7 +83,9 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         save_weights_dir(weights, trainer.model.config, tmp / POLICY, tokenizer)
-    trainer.save(tmp / TRAINER, extra_state={"loop": asdict(state)})
+    # policy/ holds the full weights already: the trainer state keeps only its shards (the
+    # critic keeps its model.safetensors: the one unsharded copy of the value model)
+    trainer.save(tmp / TRAINER, extra_state={"loop": asdict(state)}, full_weights=False)
     if critic is not None:
         critic.save(tmp / CRITIC)
     if not writer:

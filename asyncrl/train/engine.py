@@ -13,7 +13,7 @@ exactly the gradient of one big batch, whatever the budget or the number of rank
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +67,7 @@ class TrainEngineConfig(Config):
     optimizer: OptimizerConfig = OptimizerConfig()
     total_steps: int = pydantic.Field(1000, ge=1, description="horizon of the LR schedule")
     # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype.
+    # Under FSDP bf16 also gathers the weights in bf16 (fsdp.mixed_precision).
     autocast_dtype: Literal["none", "bfloat16"] = "none"
     gradient_checkpointing: bool = False
     # Must equal the sampling temperature, or the importance ratio of an unchanged policy != 1.
@@ -153,10 +154,13 @@ class HFTrainEngine:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     # --- TrainEngine protocol ---------------------------------------------------------------
-    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, path: str | Path, extra_state: dict[str, Any] | None = None,
+             full_weights: bool = True) -> None:
+        """Sharded training state (train/checkpoint.py), resumable on any world size;
+        `full_weights` also writes model.safetensors (a collective gather under FSDP)."""
         from asyncrl.train.checkpoint import save_checkpoint
 
-        save_checkpoint(self, path, extra_state)
+        save_checkpoint(self, path, extra_state, full_weights)
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Restore a `save` directory; returns its extra_state."""
@@ -167,18 +171,6 @@ class HFTrainEngine:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights; on one process simply the model's state dict."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
-
-    def load_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(dict(state), strict=False)
-
-    def optimizer_state_dict(self) -> dict[str, Any] | None:
-        return self.optimizer.state_dict() if self.optimizer is not None else None
-
-    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        if self.optimizer is None:
-            raise ValueError("checkpoint has optimizer state but this engine is forward-only "
-                             "(trainable=False)")
-        self.optimizer.load_state_dict(state)
 
     # --- compute ----------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:

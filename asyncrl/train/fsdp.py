@@ -1,7 +1,10 @@
 """The train engine under data parallelism with FSDP2 (`fully_shard`), launched by torchrun.
 
 Each decoder layer and the root module are sharded, so a rank holds 1/world of the weights,
-gradients and Adam state; gloo on CPU, NCCL on CUDA. The batch is split across ranks balanced by
+gradients and Adam state; gloo on CPU, NCCL on CUDA. With `autocast_dtype: bfloat16` the shards
+stay fp32 and are gathered in bf16 (`mixed_precision`); `gradient_checkpointing` is HF's
+non-reentrant checkpointing inside each sharded layer, which FSDP2 re-gathers for (its
+pre-backward hook unshards before the recomputation). The batch is split across ranks balanced by
 tokens, the loss normaliser is the all-reduced loss-token count, and gradients are SUMMED across
 ranks (divide factor 1): with every micro-batch already divided by the global count, the sum is
 the one-big-batch gradient, so one step on N ranks equals one step on one process.
@@ -14,20 +17,13 @@ zero-loss dummy micro-batches.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
@@ -55,6 +51,17 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def mixed_precision(cfg: TrainEngineConfig) -> MixedPrecisionPolicy:
+    """bf16: all-gather and compute with bf16 weights, reduce-scatter gradients in fp32 into fp32
+    shards, so master weights and Adam state stay fp32 as on one process (torchtitan's and verl's
+    choice). The engine's autocast stays on as well (verl does the same): the ops autocast keeps
+    in fp32 (softmax, norms, the loss) run in fp32 on both paths. The fp32 reduction is for
+    precision, not for the backend: gloo reduce-scatters bf16 too (torch 2.13)."""
+    if cfg.autocast_dtype == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # everything in the model's own dtype
+
+
 class FSDPTrainEngine(HFTrainEngine):
     """`HFTrainEngine` with FSDP2-sharded weights; every rank calls every method."""
 
@@ -70,9 +77,10 @@ class FSDPTrainEngine(HFTrainEngine):
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = mixed_precision(self.cfg)
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # root: embeddings, final norm, (tied) lm_head
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, (tied) lm_head
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # Sum, not average: losses are already divided by the global token count.
@@ -117,19 +125,3 @@ class FSDPTrainEngine(HFTrainEngine):
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         return self.full_state_dict()
-
-    def load_model_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Full weights present on rank 0 are broadcast and re-sharded."""
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        set_model_state_dict(self.model, dict(state), options=opts)
-
-    def optimizer_state_dict(self) -> dict[str, Any] | None:
-        """Full (unsharded) optimizer state on rank 0; all ranks must call."""
-        if self.optimizer is None:
-            return None
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-
-    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=opts)
