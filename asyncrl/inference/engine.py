@@ -6,10 +6,15 @@ the weights: every token carries the version of the weights that produced its lo
 sequences survive an update; their KV cache is recomputed under the new weights on the next step,
 so a response spanning an update holds tokens of both versions and its later tokens are exactly
 what the new policy would produce for that prefix.
+
+The engine runs on one device (`EngineSettings.device`): weights, KV cache, RoPE tables and every
+per-step tensor live there, and a step ends with one device-to-host copy of the sampled tokens and
+their logprobs. The C++ kernels and prepacked matmuls are CPU-only; on CUDA the torch path runs.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
@@ -43,7 +48,14 @@ class EngineSettings(Config):
     # Memory cap for the KV cache; the slot count is min(max_num_seqs, budget // bytes per slot).
     kv_cache_bytes: int | None = pydantic.Field(None, ge=1)
     max_prefill_tokens: int = pydantic.Field(8192, ge=1)  # padded tokens in one prefill step
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # auto: cuda when torch sees a GPU, else cpu; "cuda" without one fails at engine construction
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bf16 on CUDA
+    # CUDA with kv_cache_bytes unset: the engine may take this fraction of the GPU memory free
+    # at its construction for its weights plus KV cache (slots = min(max_num_seqs, what fits)).
+    # Below vLLM's usual 0.9 because an in-process engine shares the GPU with the trainer, whose
+    # optimizer state and activations grow after the engine is built.
+    gpu_memory_fraction: float = pydantic.Field(0.4, gt=0, le=1)
     backend: Literal["auto", "native", "hf"] = "auto"  # auto: native if the arch is supported
     fast_matmuls: bool = True  # native on CPU: prepacked weights with fused epilogues
     # native on CPU: C++ attention, RMSNorm and (fp32, with fast_matmuls) matmuls, compiled on
@@ -55,6 +67,45 @@ class EngineSettings(Config):
     # keeps its own count); torch ops use the process-wide count, which `asyncrl serve` sets to
     # this. None: torch's count.
     num_threads: int | None = pydantic.Field(None, ge=1)
+
+    @pydantic.field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        # Syntax only: a config written on a CPU head node may name the GPUs of its workers.
+        if not DEVICE_SPEC.fullmatch(value):
+            raise ValueError(f"device={value!r} is not allowed; allowed {DEVICE_CHOICES}")
+        return value
+
+
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
+DEVICE_CHOICES = "'auto', 'cpu', 'cuda', 'cuda:N'"
+
+
+def resolve_device(spec: str) -> torch.device:
+    """"auto" -> the current CUDA device when torch sees one, else cpu; "cuda" / "cuda:N" must
+    exist on this machine (ValueError otherwise). A CUDA result always carries its index."""
+    if not DEVICE_SPEC.fullmatch(spec):
+        raise ValueError(f"device={spec!r} is not allowed; allowed {DEVICE_CHOICES}")
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={spec!r} needs CUDA, which this torch ({torch.__version__}) does not see "
+            "(no GPU visible, or a CPU-only build); allowed here: 'auto', 'cpu'"
+        )
+    device = torch.device("cuda" if spec == "auto" else spec)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device={spec!r} is out of range; allowed cuda:0 .. cuda:{count - 1}")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU (exact logprobs, the fast fp32 kernels), bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
 
 
 class EngineConfig(EngineSettings):
@@ -76,7 +127,8 @@ class LLMEngine:
         self.config = config
         self.detokenize = detokenize  # needed only by requests with stop strings
         hf_config = read_hf_config(config.model_path)
-        dtype = DTYPES[config.dtype]
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.device)
         max_pos = hf_config.get("max_position_embeddings", 1 << 30)
         self.max_seq_len = config.max_seq_len or max_pos
         if self.max_seq_len > max_pos:
@@ -87,29 +139,46 @@ class LLMEngine:
         num_slots = self._num_slots(hf_config, dtype)
         self.runner = load_runner(
             config.model_path, config.backend, num_slots, self.max_seq_len, dtype, hf_config,
-            config.fast_matmuls, config.cpu_kernels,
+            self.device, config.fast_matmuls, config.cpu_kernels,
         )
         self.vocab_size = self.runner.vocab_size
         eos = [] if config.ignore_eos else read_eos_ids(config.model_path, hf_config)
-        self.sampler = Sampler(eos, seed=config.seed)
+        self.sampler = Sampler(eos, seed=config.seed, device=self.device)
         self.scheduler = Scheduler(num_slots, self.max_seq_len, config.max_prefill_tokens)
         self.version = version
         self.paused = False
         self._rids: dict[str, Sequence] = {}
 
     def _num_slots(self, hf_config: dict, dtype: torch.dtype) -> int:
+        """KV cache slots: max_num_seqs, capped by kv_cache_bytes, or on CUDA by a share of the
+        free GPU memory (one slot reserves max_seq_len positions, ~0.4 GB for Qwen2.5-0.5B at
+        32k in bf16, so max_num_seqs slots rarely fit)."""
         cfg = self.config
-        if cfg.kv_cache_bytes is None or cfg.backend == "hf" or unsupported_reason(hf_config):
+        if cfg.backend == "hf" or unsupported_reason(hf_config):
+            return cfg.max_num_seqs  # the fallback keeps no cache
+        args = LlamaArgs.from_hf_config(hf_config)
+        per_slot = ModelRunner.bytes_per_slot(args, self.max_seq_len, dtype)
+        need = f"one sequence of max_seq_len={self.max_seq_len} needs {per_slot} bytes"
+        if cfg.kv_cache_bytes is not None:
+            if cfg.kv_cache_bytes < per_slot:
+                raise ValueError(
+                    f"kv_cache_bytes={cfg.kv_cache_bytes} is out of range; {need} (raise "
+                    "kv_cache_bytes or lower max_seq_len)"
+                )
+            return min(cfg.max_num_seqs, cfg.kv_cache_bytes // per_slot)
+        if self.device.type != "cuda":
             return cfg.max_num_seqs
-        per_slot = ModelRunner.bytes_per_slot(
-            LlamaArgs.from_hf_config(hf_config), self.max_seq_len, dtype
-        )
-        if cfg.kv_cache_bytes < per_slot:
+        free = torch.cuda.mem_get_info(self.device)[0]
+        weights = args.num_parameters() * dtype.itemsize
+        budget = int(cfg.gpu_memory_fraction * free) - weights
+        if budget < per_slot:
             raise ValueError(
-                f"kv_cache_bytes={cfg.kv_cache_bytes} is out of range; one sequence of "
-                f"max_seq_len={self.max_seq_len} needs {per_slot} bytes"
+                f"no KV cache slot fits on {self.device}: gpu_memory_fraction="
+                f"{cfg.gpu_memory_fraction} of {free / 2**30:.2f} GiB free, less "
+                f"{weights / 2**30:.2f} GiB of weights, leaves {max(budget, 0)} bytes and {need}; "
+                "lower max_seq_len, raise gpu_memory_fraction, or set kv_cache_bytes"
             )
-        return min(cfg.max_num_seqs, cfg.kv_cache_bytes // per_slot)
+        return min(cfg.max_num_seqs, budget // per_slot)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -252,6 +321,8 @@ class LLMEngine:
         self.scheduler.invalidate_cache()
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
+        # Staged in host memory and copied into the device weights: `load_weights` checks every
+        # tensor before the first copy, so loading straight to the GPU would hold two copies.
         self.update_weights_from_state_dict(iter_safetensors(path), version)
 
     def generate(self, requests: list[ModelRequest]) -> list[ModelResponse]:

@@ -11,7 +11,8 @@ loaded, so kernels and torch ops share one thread pool.
 Anything that goes wrong (no compiler, a failed build, a library that does not load) makes
 `load()` return None once, with a warning, and the model keeps its torch path. Set
 `ASYNCRL_KERNELS=0` to force the torch path. The C side trusts its pointers: the wrappers here
-take care of dtypes, contiguity and output allocation.
+take care of dtypes, contiguity and output allocation (`new_empty` of an input, so on the CPU
+whatever a caller's `torch.set_default_device`: the C side must never get a pointer it cannot read).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ class CpuKernels:
         """
         rows = qkv.shape[0]
         _, kv_heads, max_len, hd = k.shape
-        out = torch.empty(rows, heads * hd, dtype=qkv.dtype)
+        out = qkv.new_empty(rows, heads * hd)
         err = self._attn(
             qkv.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             None if slots is None else slots.data_ptr(), positions.data_ptr(), out.data_ptr(),
@@ -220,7 +221,7 @@ class CpuKernels:
         if a.stride(-1) != 1:
             a = a.contiguous()
         m, k = a.shape
-        out = torch.empty(m, n // 2 if silu_mul else n, dtype=torch.float32)
+        out = a.new_empty(m, n // 2 if silu_mul else n, dtype=torch.float32)
         epilogue = self.STORE
         if silu_mul:
             epilogue = self.SILU_MUL
@@ -245,8 +246,8 @@ class CpuKernels:
         r at positions[r]: every layer (`table`, as `dims` describes them and the cache), the
         final norm and lm_head (packed [vocab, dim]) -> logits [rows, vocab]."""
         rows = x.shape[0]
-        scratch = torch.empty(rows * dims.scratch_per_row(), dtype=torch.float32)
-        logits = torch.empty(rows, vocab, dtype=torch.float32)
+        scratch = x.new_empty(rows * dims.scratch_per_row(), dtype=torch.float32)
+        logits = x.new_empty(rows, vocab, dtype=torch.float32)
         err = self._forward(
             table, ctypes.byref(dims), norm.data_ptr(), lm_head.data_ptr(), vocab, x.data_ptr(),
             rows, cache.data_ptr(), None, positions.data_ptr(), scratch.data_ptr(),

@@ -1,8 +1,9 @@
 """The matmuls of a decoder layer, with three interchangeable implementations.
 
-`PlainMatmuls` is torch BLAS calls on the stored weights (any device). The two CPU fast paths
-prepack the weights once (again after every weight update) and fuse the layer's elementwise tail
-into the matmul epilogue: the q/k/v bias, SiLU(gate) * up and both residual adds.
+`PlainMatmuls` is torch BLAS calls on the stored weights (any device: CUDA runs it). The two fast
+paths exist only for weights on the CPU: they prepack the weights once (again after every weight
+update) and fuse the layer's elementwise tail into the matmul epilogue: the q/k/v bias,
+SiLU(gate) * up and both residual adds.
 
 - `KernelMatmuls` (fp32, AVX-512 builds): the C++ kernel of `csrc/gemm.cpp` on weights packed into
   32-column panels. On the 6M-parameter benchmark model a batch-64 decode step's matmuls run about
@@ -203,9 +204,10 @@ class KernelMatmuls:
 def _agrees(fast: Matmuls, layers: list[LayerWeights], lm_head: torch.Tensor) -> bool:
     """Whether `fast` matches the plain path on random inputs (a broken op raises or differs)."""
     plain = PlainMatmuls(layers, lm_head)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(OneDNNMatmuls.MIN_ROWS, lm_head.shape[1], generator=g).to(lm_head.dtype)
-    a = torch.randn(x.shape[0], layers[0].o_w.shape[1], generator=g).to(lm_head.dtype)
+    g = torch.Generator().manual_seed(0)  # CPU: the fast paths exist only there
+    rows, dt = OneDNNMatmuls.MIN_ROWS, lm_head.dtype
+    x = torch.randn(rows, lm_head.shape[1], generator=g, device="cpu").to(dt)
+    a = torch.randn(rows, layers[0].o_w.shape[1], generator=g, device="cpu").to(dt)
     pairs = [
         (fast.qkv(0, x), plain.qkv(0, x)),
         (fast.o_proj_add(0, a, x), plain.o_proj_add(0, a, x)),

@@ -13,9 +13,10 @@ only in attention:
 
 On CPU the C++ kernels (`kernels.py`, built on first use) do RoPE, the cache write and attention
 over each row's own positions in one pass, and RMSNorm; in fp32 with `KernelMatmuls` a whole decode
-step is a single C++ call. Without them (no compiler, `cpu_kernels=False`, other devices) the torch
-path runs: SDPA for prefill, and for decode a batched matmul over `cache[:n, :, :T]` as a view
-with positions past each sequence's length masked.
+step is a single C++ call. Without them (no compiler, `cpu_kernels=False`, CUDA) the torch path
+runs: SDPA for prefill, and for decode a batched matmul over `cache[:n, :, :T]` as a view with
+positions past each sequence's length masked. Every tensor the model allocates names its device
+(the one passed in, or its inputs'), so the same code runs on CPU and CUDA.
 
 The cache layout is `[num_layers, 2 (k/v), num_slots, num_kv_heads, max_seq_len, head_dim]`.
 """
@@ -54,6 +55,18 @@ class LlamaArgs:
     attention_bias: bool  # Qwen2: q/k/v projections have biases
     tie_word_embeddings: bool
     max_position_embeddings: int
+
+    def num_parameters(self) -> int:
+        """Weights the model holds (a tied lm_head once), as `PreTrainedModel.num_parameters`."""
+        d, qkv = self.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        layer = (
+            2 * d  # the two norms
+            + qkv * d + (qkv if self.attention_bias else 0)
+            + d * self.num_heads * self.head_dim
+            + 3 * self.intermediate_size * d  # gate, up, down
+        )
+        embeds = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embeds + d
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> LlamaArgs:
@@ -97,6 +110,13 @@ def unsupported_reason(cfg: Mapping[str, Any]) -> str | None:
     return None
 
 
+def check_device(device: torch.device, tensors: Iterable[torch.Tensor]) -> None:
+    """RuntimeError for a tensor not on `device` (an allocation that did not name its device)."""
+    for t in tensors:
+        if t.device.type != device.type or device.index not in (None, t.device.index):
+            raise RuntimeError(f"a {tuple(t.shape)} tensor is on {t.device}, expected {device}")
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -125,17 +145,20 @@ class _Ctx:
 
 class LlamaModel:
     def __init__(
-        self, args: LlamaArgs, dtype: torch.dtype = torch.float32, rows_hint: int = 64,
-        fast_matmuls: bool = True, cpu_kernels: bool = True,
+        self, args: LlamaArgs, dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu", rows_hint: int = 64, fast_matmuls: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
-        self.args, self.dtype = args, dtype
-        self.rows_hint, self.use_fast = rows_hint, fast_matmuls
+        self.args, self.dtype, self.device = args, dtype, torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        # The C++ kernels and the prepacked matmuls read host memory: CPU only.
+        self.rows_hint, self.use_fast = rows_hint, fast_matmuls and on_cpu
         a = args
         d, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
         self.q_dim, self.kv_dim = a.num_heads * hd, a.num_kv_heads * hd
 
         def empty(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype)
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
 
         self.embed = empty(a.vocab_size, d)
         self.lm_head = self.embed if a.tie_word_embeddings else empty(a.vocab_size, d)
@@ -152,21 +175,28 @@ class LlamaModel:
             )
             for _ in range(a.num_layers)
         ]
-        # HF computes RoPE in fp32; rotate_half(x) * sin == roll(x, hd/2) * [-sin, sin].
-        inv_freq = 1.0 / a.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        freqs = torch.outer(torch.arange(a.max_position_embeddings, dtype=torch.float32), inv_freq)
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(dtype)
-        self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(dtype)
+        # HF computes RoPE in fp32; rotate_half(x) * sin == roll(x, hd/2) * [-sin, sin]. Built on
+        # the host (the same table on every device), then moved.
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / a.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=cpu)
+                                          / hd)
+        pos = torch.arange(a.max_position_embeddings, dtype=torch.float32, device=cpu)
+        freqs = torch.outer(pos, inv_freq)
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.device, dtype)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.device, dtype)
+        self._kernels = self._load_kernels() if cpu_kernels and on_cpu else None
         # The kernels read fp32 tables holding the values the torch path uses (rounded to dtype).
-        self.cos32, self.sin32 = self.cos.float(), self.sin.float()
-        self._kernels = self._load_kernels() if cpu_kernels else None
+        self.cos32 = self.sin32 = None
+        if self._kernels is not None:
+            self.cos32, self.sin32 = self.cos.float(), self.sin.float()
         self._dims: tuple[tuple[int, ...], kernels.ModelDims] | None = None  # per cache shape
         self._targets = self._name_map()
+        check_device(self.device, [*self._targets.values(), self.cos, self.sin])
         self._plain = PlainMatmuls(self.layers, self.lm_head)
         self._fast: Matmuls | None = None  # built from real weights in load_weights
 
     def _load_kernels(self) -> kernels.CpuKernels | None:
-        if not kernels.CpuKernels.supports(self.dtype, self.args.head_dim, self.embed.device):
+        if not kernels.CpuKernels.supports(self.dtype, self.args.head_dim, self.device):
             return None
         lib = kernels.load()
         return kernels.CpuKernels(lib, self.dtype) if lib is not None else None
@@ -197,7 +227,8 @@ class LlamaModel:
         self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         strict: bool = True,
     ) -> None:
-        """Copy HF-named tensors in place (no reallocation; views stay valid).
+        """Copy HF-named tensors in place (no reallocation; views stay valid), from any device
+        and dtype into this model's.
 
         `strict` requires every parameter; a partial update (one bucket of a stream) passes False.
         Names and shapes are all checked before the first copy, so a bad update leaves the old
@@ -308,8 +339,12 @@ class LlamaModel:
             self._dims = (key, dims)
         return self._dims[1]
 
-    def _use_kernels(self, cache: torch.Tensor) -> bool:
-        return self._kernels is not None and cache.is_contiguous() and cache.dtype == self.dtype
+    def _use_kernels(self, cache: torch.Tensor, *inputs: torch.Tensor) -> bool:
+        if self._kernels is None:
+            return False
+        # The C side trusts its pointers: a tensor elsewhere would be read as host memory.
+        check_device(torch.device("cpu"), [cache, *inputs])
+        return cache.is_contiguous() and cache.dtype == self.dtype
 
     def _matmuls(self, rows: int) -> Matmuls:
         fast = self._fast
@@ -325,15 +360,16 @@ class LlamaModel:
         """tokens [n, L] right-padded, lengths [n], slots [n] -> fp32 logits of each last token."""
         n, length = tokens.shape
         x = F.embedding(tokens.reshape(-1), self.embed)
-        last = torch.arange(n) * length + lengths - 1
-        if self._use_kernels(cache):
+        last = torch.arange(n, device=tokens.device) * length + lengths - 1
+        if self._use_kernels(cache, tokens, lengths, slots):
             # Padding rows write K/V past their prompt's end: harmless, since decode overwrites
             # a position before any query reads it.
             c = _Ctx(
                 cache, self.cos32, self.sin32, n * length, length,
                 slots=slots.long().repeat_interleave(length),
-                positions=torch.arange(length).repeat(n),
+                positions=torch.arange(length, device=tokens.device).repeat(n),
             )
+            check_device(tokens.device, [c.slots, c.positions])  # read by the C side
             return self._logits(self._layers(x, self._attn_kernel, c, last))
         cos = self.cos[:length, None]  # [L, 1, hd], broadcast over rows and heads
         sin = self.sin[:length, None]
@@ -342,31 +378,40 @@ class LlamaModel:
 
     @torch.inference_mode()
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
+        attend: int | None = None,
     ) -> torch.Tensor:
-        """tokens [n] at positions [n]; row i is cache slot i -> fp32 logits [n, V]."""
+        """tokens [n] at positions [n]; row i is cache slot i -> fp32 logits [n, V].
+
+        `attend`: max(positions) + 1 when the caller knows it (reading it from a CUDA tensor
+        would stall the host until the device catches up)."""
         n = tokens.shape[0]
         x = F.embedding(tokens, self.embed)
-        if self._use_kernels(cache):
+        if self._use_kernels(cache, tokens, positions):
             positions = positions.long().contiguous()
             if isinstance(self._fast, KernelMatmuls):
                 # One C++ call for the whole step: the kernels below without per-op overhead.
                 return self._fast.forward(x, self.norm, cache, positions, self._model_dims(cache))
             c = _Ctx(cache, self.cos32, self.sin32, n, 0, positions=positions)
             return self._logits(self._layers(x, self._attn_kernel, c))
-        return self._logits(self._layers(x, self._attn_decode, self._decode_ctx(cache, positions)))
+        ctx = self._decode_ctx(cache, positions, attend)
+        return self._logits(self._layers(x, self._attn_decode, ctx))
 
-    def _decode_ctx(self, cache: torch.Tensor, positions: torch.Tensor) -> _Ctx:
+    def _decode_ctx(
+        self, cache: torch.Tensor, positions: torch.Tensor, attend: int | None = None
+    ) -> _Ctx:
         """The mask and cache rows of the torch attention path."""
-        n, t = positions.shape[0], int(positions.max()) + 1
+        n, dev = positions.shape[0], positions.device
+        t = int(positions.max()) + 1 if attend is None else attend
         _, _, slots, kvh, max_len, _ = cache.shape
-        masked = torch.arange(t) > positions[:, None]  # [n, T]: beyond each row's new token
-        mask = torch.zeros(n, 1, t, dtype=self.dtype).masked_fill_(masked[:, None], float("-inf"))
+        masked = torch.arange(t, device=dev) > positions[:, None]  # [n, T]: past each new token
+        mask = torch.zeros(n, 1, t, dtype=self.dtype, device=dev)
+        mask.masked_fill_(masked[:, None], float("-inf"))
         # Row of cache[layer].view(-1, head_dim) for (sequence i, k/v, kv head): matches the
         # order of qkv[:, q_dim:] viewed as [n, 2, kvh, head_dim].
-        kv = torch.arange(2)[None, :, None]
-        head = torch.arange(kvh)[None, None, :]
-        i = torch.arange(n)[:, None, None]
+        kv = torch.arange(2, device=dev)[None, :, None]
+        head = torch.arange(kvh, device=dev)[None, None, :]
+        i = torch.arange(n, device=dev)[:, None, None]
         kv_rows = ((kv * slots + i) * kvh + head) * max_len + positions[:, None, None]
         return _Ctx(
             cache, self.cos[positions, None], self.sin[positions, None], n, t,

@@ -5,6 +5,9 @@ the fast path. `HFModelRunner` is the fallback for architectures the compact mod
 implement: it runs the transformers model over every sequence's full token list each step (no
 cache reuse), which is slow but exact for anything `AutoModelForCausalLM` loads. Both read the
 weights' HF names, so the trainer's state dict or safetensors directory updates either one.
+
+Both live on one device: each step builds its inputs on the host as Python lists and moves them
+with one copy per tensor; incoming weights (any device) are copied into the device's tensors.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.inference.llama import LlamaArgs, LlamaModel, unsupported_reason
+from asyncrl.inference.llama import LlamaArgs, LlamaModel, check_device, unsupported_reason
 from asyncrl.inference.scheduler import Batch, Phase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -75,36 +78,44 @@ class ModelRunner:
 
     def __init__(
         self, args: LlamaArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
-        fast_matmuls: bool = True, cpu_kernels: bool = True,
+        device: torch.device | str = "cpu", fast_matmuls: bool = True, cpu_kernels: bool = True,
     ) -> None:
+        self.device = torch.device(device)
         # The decode batch is at most num_slots rows: the packed weight layout is tuned for it.
         self.model = LlamaModel(
-            args, dtype, rows_hint=num_slots, fast_matmuls=fast_matmuls, cpu_kernels=cpu_kernels
+            args, dtype, self.device, rows_hint=num_slots, fast_matmuls=fast_matmuls,
+            cpu_kernels=cpu_kernels,
         )
         self.vocab_size = args.vocab_size
         # Zeros, not empty: masked positions are still multiplied, and NaN garbage * 0 stays NaN.
         self.cache = torch.zeros(
             args.num_layers, 2, num_slots, args.num_kv_heads, max_seq_len, args.head_dim,
-            dtype=dtype,
+            dtype=dtype, device=self.device,
         )
+        check_device(self.device, [self.cache])
 
     @staticmethod
     def bytes_per_slot(args: LlamaArgs, max_seq_len: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return args.num_layers * 2 * args.num_kv_heads * max_seq_len * args.head_dim * elem
+        per_position = args.num_layers * 2 * args.num_kv_heads * args.head_dim * dtype.itemsize
+        return per_position * max_seq_len
+
+    def _tensor(self, data: list) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def run(self, batch: Batch) -> torch.Tensor:
         seqs = batch.seqs
         if batch.phase == Phase.DECODE:
-            tokens = torch.tensor([s.token_ids[-1] for s in seqs])
-            positions = torch.tensor([s.num_tokens - 1 for s in seqs])
-            return self.model.decode(tokens, positions, self.cache)
+            positions = [s.num_tokens - 1 for s in seqs]
+            # The attended length from the host list: no device sync to read positions.max().
+            return self.model.decode(
+                self._tensor([s.token_ids[-1] for s in seqs]), self._tensor(positions),
+                self.cache, attend=max(positions) + 1,
+            )
         lengths = [s.num_tokens for s in seqs]
-        tokens = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, : lengths[i]] = torch.tensor(s.token_ids)
-        slots = torch.tensor([s.slot for s in seqs])
-        return self.model.prefill(tokens, torch.tensor(lengths), slots, self.cache)
+        width = max(lengths)
+        tokens = self._tensor([s.token_ids + [0] * (width - len(s.token_ids)) for s in seqs])
+        slots = self._tensor([s.slot for s in seqs])
+        return self.model.prefill(tokens, self._tensor(lengths), slots, self.cache)
 
     @torch.inference_mode()
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
@@ -120,10 +131,14 @@ class ModelRunner:
 class HFModelRunner:
     """Fallback: the transformers model recomputes each sequence from scratch every step."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype) -> None:
+    def __init__(
+        self, path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        self.device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.pad_id = 0
@@ -132,11 +147,11 @@ class HFModelRunner:
     def run(self, batch: Batch) -> torch.Tensor:
         lengths = [s.num_tokens for s in batch.seqs]
         width = max(lengths)
-        ids = torch.full((len(lengths), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(lengths), width), dtype=torch.long)
-        for i, s in enumerate(batch.seqs):  # left padding: every last token is in the last column
-            ids[i, width - lengths[i]:] = torch.tensor(s.token_ids)
-            attn[i, width - lengths[i]:] = 1
+        # Left padding: every last token is in the last column.
+        ids = [[self.pad_id] * (width - n) + s.token_ids for n, s in zip(lengths, batch.seqs)]
+        mask = [[0] * (width - n) + [1] * n for n in lengths]
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        attn = torch.tensor(mask, dtype=torch.long, device=self.device)
         positions = (attn.cumsum(-1) - 1).clamp_min(0)
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False
@@ -163,15 +178,18 @@ class HFModelRunner:
 
 def load_runner(
     path: str | Path, backend: str, num_slots: int, max_seq_len: int, dtype: torch.dtype,
-    hf_config: Mapping, fast_matmuls: bool = True, cpu_kernels: bool = True,
+    hf_config: Mapping, device: torch.device | str = "cpu", fast_matmuls: bool = True,
+    cpu_kernels: bool = True,
 ) -> Runner:
     """`backend`: "native" (compact model, error if unsupported), "hf", or "auto"."""
     reason = unsupported_reason(hf_config)
     if backend == "hf" or (backend == "auto" and reason):
-        return HFModelRunner(path, dtype)
+        return HFModelRunner(path, dtype, device)
     if reason:
         raise ValueError(f"backend='native' cannot run {str(path)!r}: {reason}; use backend='auto'")
     args = LlamaArgs.from_hf_config(hf_config)
-    runner = ModelRunner(args, num_slots, max_seq_len, dtype, fast_matmuls, cpu_kernels)
+    runner = ModelRunner(args, num_slots, max_seq_len, dtype, device, fast_matmuls, cpu_kernels)
+    # Host-staged, then copied into the preallocated device tensors: `load_weights` holds every
+    # tensor until all are checked, and staging on the GPU would double its peak memory.
     runner.load_weights(iter_safetensors(path))
     return runner

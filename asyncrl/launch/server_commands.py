@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 
 from asyncrl.inference.engine import EngineSettings
+from asyncrl.launch.devices import engine_dtype_name
 
 READY_PREFIX = "asyncrl serve: listening on "  # `asyncrl serve --port 0` prints it, then the URL
 
@@ -51,13 +52,18 @@ def _cuda_available() -> bool:
 
 def server_command(backend: str, model_dir: str, *, python: str | None = None,
                    engine: EngineSettings | None = None, api_key: str | None = None,
-                   extra_args: list[str] | None = None) -> ServerCommand:
+                   extra_args: list[str] | None = None,
+                   weight_transfer: bool = False) -> ServerCommand:
     """`engine`: the settings every backend gets; an asyncrl server takes all of them (as its
-    `engine.*` options), vLLM and SGLang their max_num_seqs, dtype and num_threads."""
+    `engine.*` options), vLLM and SGLang their max_num_seqs, dtype and num_threads.
+    `weight_transfer`: weights will come by NCCL broadcast (vLLM must enable its engine for it;
+    `asyncrl serve` and SGLang always have the routes)."""
     python = python or sys.executable
     extra = list(extra_args or [])
     engine = engine or EngineSettings()
-    max_num_seqs, dtype, num_threads = engine.max_num_seqs, engine.dtype, engine.num_threads
+    max_num_seqs, num_threads = engine.max_num_seqs, engine.num_threads
+    # vLLM / SGLang know no "auto" of ours: float32 on CPU (as before), bfloat16 on CUDA
+    dtype = engine_dtype_name(engine.dtype, "cuda" if _cuda_available() else "cpu")
     if backend == "asyncrl":
         overrides = [f"engine.{k}={json.dumps(v)}"
                      for k, v in engine.model_dump(mode="json", exclude_defaults=True).items()]
@@ -72,6 +78,8 @@ def server_command(backend: str, model_dir: str, *, python: str | None = None,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                 "--max-num-seqs", str(max_num_seqs), "--logprobs-mode", "processed_logprobs",
                 "--generation-config", "vllm", "--disable-uvicorn-access-log"]
+        if weight_transfer:
+            argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
         if not _cuda_available():
             argv.append("--enforce-eager")
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))

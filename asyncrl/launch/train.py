@@ -38,6 +38,8 @@ from rich.console import Console
 from asyncrl.api import PolicyLoss
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.progress import TrainProgress
+from asyncrl.launch.devices import check_engine_placement
+from asyncrl.launch.devices import resolve as resolve_device
 from asyncrl.launch.rollout_engines import open_rollout_engines
 from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
                                             load_loop_state)
@@ -186,6 +188,9 @@ class Trainer:
     def _run(self) -> TrainResult:
         """Under torchrun every rank calls this; rank 0 leads, the others follow its trainer."""
         cfg = self.cfg
+        # a GPU trainer with a CPU in-process engine is refused before anything loads
+        check_engine_placement(resolve_device(cfg.train.device), cfg.inference.mode,
+                               cfg.inference.engine)
         if is_distributed():
             from asyncrl.train.fsdp import init_distributed
 
