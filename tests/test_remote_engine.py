@@ -169,6 +169,12 @@ def test_inference_launch_config_refuses_what_cannot_run():
     assert C.from_dict({"mode": "local", "weight_sync": "gloo"}).sync_kind == "gloo"
     with pytest.raises(ConfigError, match="weight_sync='nccl' needs servers"):
         C.from_dict({"weight_sync": "nccl"})
+    with pytest.raises(ConfigError, match="'gloo' is not supported by backend 'vllm'.*nccl"):
+        C.from_dict({"mode": "local", "backend": "vllm", "weight_sync": "gloo"})
+    from asyncrl.launch.server_commands import server_command
+
+    vllm = server_command("vllm", "/m", weight_transfer=True).argv
+    assert vllm[vllm.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")

@@ -163,10 +163,13 @@ class Backend(Protocol):
         """The call that makes the server join the group; it returns once the group has formed,
         so it is sent while the trainer builds its own end."""
 
-    def distributed_update_calls(self, tensors: list[WireTensor], version: int
-                                 ) -> list[HttpCall]:
-        """The calls that make the server receive one broadcast update (sent while the trainer
-        broadcasts) and then serve `version`."""
+    def distributed_update_calls(self, join: GroupJoin, tensors: list[WireTensor],
+                                 version: int) -> list[HttpCall]:
+        """The calls, in order, that make the server (joined as `join`) receive one broadcast
+        update (sent while the trainer broadcasts) and then serve `version`."""
+
+    def failed_update_recovery_calls(self) -> list[HttpCall]:
+        """Calls that leave the server serving its old weights after a failed update."""
 
 
 def reply_field(body: Any, *keys: str | int) -> Any:

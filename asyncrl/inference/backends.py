@@ -115,10 +115,13 @@ class AsyncrlBackend:
             "world_size": join.world_size, "rank": join.rank_offset,
             "group_name": join.group_name, "backend": join.backend})
 
-    def distributed_update_calls(self, tensors: list[WireTensor], version: int
-                                 ) -> list[HttpCall]:
+    def distributed_update_calls(self, join: GroupJoin, tensors: list[WireTensor],
+                                 version: int) -> list[HttpCall]:
         # names, shapes and dtypes are in the group's spec already (published when it formed)
         return [HttpCall("POST", "/weights/update_distributed", json={"version": version})]
+
+    def failed_update_recovery_calls(self) -> list[HttpCall]:
+        return []  # the server stages every bucket and applies nothing from a failed receive
 
     def server_checks(self) -> list[ServerCheck]:
         def verdict(status: int, body: Any) -> str | None:

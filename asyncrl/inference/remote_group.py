@@ -40,8 +40,9 @@ class GroupSync:
         self.backend, self._request, self._apply = backend, request, apply
         self.ranks_per_server = ranks_per_server
         self.timeout_s, self.probe_timeout_s = timeout_s, probe_timeout_s
-        self.sender: DistributedWeightSender | None = None
+        self.sender: Any = None  # DistributedWeightSender, or VLLMWeightSender for vLLM
         self.members: list[ServerState] = []
+        self.joins: list[GroupJoin] = []  # each member's place in the group
         self.groups_formed = 0
 
     async def update(self, servers: list[ServerState], meta: WeightUpdateMeta,
@@ -94,8 +95,10 @@ class GroupSync:
                     weights: Mapping[str, Any]) -> None:
         self.close()
         rps = self.ranks_per_server
-        meta = dataclasses.replace(meta, world_size=1 + rps * len(members))
-        sender = await asyncio.to_thread(DistributedWeightSender, meta, weights, self.timeout_s,
+        # a name per group: a process keeps a group's name registered until it is destroyed
+        meta = dataclasses.replace(meta, world_size=1 + rps * len(members),
+                                   group_name=f"{meta.group_name}_{self.groups_formed + 1}")
+        sender = await asyncio.to_thread(self._sender_class(), meta, weights, self.timeout_s,
                                          False)
         joins = [GroupJoin(meta.master_addr, sender.port, meta.world_size, 1 + rps * i,
                            meta.group_name, meta.backend) for i in range(len(members))]
@@ -109,7 +112,7 @@ class GroupSync:
             sender.close()
             raise RuntimeError("forming the weight group failed: "
                                + "; ".join(f"{who}: {err}" for who, err in failed))
-        self.sender, self.members = sender, members
+        self.sender, self.members, self.joins = sender, members, joins
         self.groups_formed += 1
         log.info("weight group %d formed at %s:%d (%s, world size %d: the trainer and %d "
                  "server(s))", self.groups_formed, meta.master_addr, sender.port, meta.backend,
@@ -119,21 +122,47 @@ class GroupSync:
                          ) -> dict[ServerState, BaseException | None]:
         sender = self.sender
         wire = [WireTensor(n, tuple(shape), dt) for n, shape, dt in sender.wire_tensors()]
-        calls = self.backend.distributed_update_calls(wire, meta.version)
+        calls = [self.backend.distributed_update_calls(j, wire, meta.version)
+                 for j in self.joins]
         sent, *applied = await asyncio.gather(
             asyncio.to_thread(sender.broadcast, weights, meta.version,
                               self.backend.broadcast_layout),
-            *(self._apply(s, calls, meta.version) for s in self.members),
+            *(self._apply(s, c, meta.version) for s, c in zip(self.members, calls)),
             return_exceptions=True)
         results = {s: r if isinstance(r, BaseException) else None
                    for s, r in zip(self.members, applied)}
         if isinstance(sent, BaseException) or any(r is not None for r in results.values()):
+            await self._recover(self.members)
             self.close()  # the stream is out of step: the next update forms a new group
         if isinstance(sent, BaseException):
             return {s: r or sent for s, r in results.items()}
         return results
 
+    def _sender_class(self) -> type:
+        if self.backend.broadcast_layout == "vllm_per_tensor":  # vLLM's own communicator
+            from asyncrl.inference.vllm_weight_transfer import VLLMWeightSender
+
+            return VLLMWeightSender
+        return DistributedWeightSender
+
+    async def _recover(self, servers: list[ServerState]) -> None:
+        """Best effort: servers left mid-update go back to their old weights (vLLM would
+        otherwise hold its layers on the meta device and die at the next generation)."""
+        calls = self.backend.failed_update_recovery_calls()
+
+        async def one(server: ServerState) -> None:
+            for call in calls:
+                try:
+                    await self._request(server, call, self.probe_timeout_s)
+                except Exception as err:  # noqa: BLE001 (recorded: the update already failed)
+                    log.warning("recovering %s after a failed weight update: %s: %s",
+                                server.address, call.path, err)
+                    return
+
+        if calls:
+            await asyncio.gather(*(one(s) for s in servers))
+
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
-        self.sender, self.members = None, []
+        self.sender, self.members, self.joins = None, [], []

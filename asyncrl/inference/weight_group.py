@@ -22,14 +22,18 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from asyncrl.api.weights import WeightUpdateKind, WeightUpdateMeta
+
+log = logging.getLogger(__name__)
 
 SPEC_KEY = "weight_spec"
 LAYOUTS = ("buckets", "per_tensor")
@@ -122,13 +126,16 @@ class _SyncGroup:
         tcp = store or dist.TCPStore(meta.master_addr, meta.master_port, meta.world_size,
                                      is_master=rank == 0, timeout=timeout,
                                      wait_for_workers=False)
-        # The prefix lets several groups (e.g. one per policy) share a rendezvous port.
+        # Built the way SGLang's `init_custom_process_group` builds its end (a prefix store
+        # named after the group, then torch's group helper), so an SGLang server can join the
+        # same group as `asyncrl serve` does (checked against sglang 0.5.23,
+        # srt/utils/common.py). The helper is private torch API; SGLang, verl and AReaL use it.
         self.store = dist.PrefixStore(meta.group_name, tcp)
         self._tcp = tcp  # the prefix store does not keep its backing store alive on every build
-        if meta.backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(self.store, rank, meta.world_size, timeout)
-        else:
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, meta.world_size)
+        self.pg, _ = c10d._new_process_group_helper(
+            meta.world_size, rank, [], dist.Backend(meta.backend), self.store,
+            group_name=meta.group_name, timeout=timeout)
+        c10d._world.pg_group_ranks[self.pg] = {i: i for i in range(meta.world_size)}
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -136,10 +143,11 @@ class _SyncGroup:
         self.pg.broadcast([tensor], opts).wait()
 
     def close(self) -> None:
-        """Release the communicator (NCCL holds GPU memory and threads); gloo frees on GC."""
-        shutdown = getattr(self.pg, "shutdown", None) if self.meta.backend == "nccl" else None
-        if shutdown is not None:
-            shutdown()
+        """Release the communicator and the group's name (a new group may reuse it)."""
+        try:
+            dist.destroy_process_group(self.pg)
+        except (RuntimeError, ValueError, KeyError) as err:  # already gone: nothing to free
+            log.debug("destroying weight group %s: %s", self.meta.group_name, err)
 
 
 class DistributedWeightSender:

@@ -173,4 +173,4 @@ def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str) -> Any:
 
     return server_command(cfg.server_backend, model_dir, python=cfg.server_python,
                           engine=cfg.engine, api_key=api_key,
-                          extra_args=cfg.server_args)
+                          extra_args=cfg.server_args, weight_transfer=cfg.sync_kind == "nccl")

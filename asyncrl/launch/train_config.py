@@ -131,6 +131,9 @@ class InferenceLaunchConfig(Config):
             raise ValueError(f"inference.weight_sync={self.weight_sync!r} needs servers "
                              "(inference.mode 'local' or 'remote'); the in-process engine takes "
                              "the weights in memory (allowed: auto, tensors, disk)")
+        if self.weight_sync == "gloo" and self.server_backend == "vllm":
+            raise ValueError("inference.weight_sync='gloo' is not supported by backend 'vllm' "
+                             "(its weight transfer is NCCL only); allowed: auto, disk, nccl")
         if self.weight_sync == "tensors" and self.server_backend != "asyncrl":
             raise ValueError(f"inference.weight_sync='tensors' is not supported by backend "
                              f"{self.server_backend!r} (no HTTP tensor route); allowed: auto, disk, nccl, "
