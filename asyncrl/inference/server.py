@@ -191,7 +191,8 @@ def add_group_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
                 old.close()
             try:
                 receiver = await asyncio.to_thread(
-                    DistributedWeightReceiver, meta, body.rank, body.timeout_s)
+                    DistributedWeightReceiver, meta, body.rank, body.timeout_s,
+                    engine.engine.device)
             except ValueError:
                 raise
             except Exception as err:  # the rendezvous failed: the trainer's end, not ours

@@ -118,10 +118,12 @@ class _SyncGroup:
     """A standalone process group over a TCP store (no global `init_process_group`)."""
 
     def __init__(self, meta: WeightUpdateMeta, rank: int, timeout_s: float,
-                 store: Any = None) -> None:
+                 store: Any = None, device: torch.device | None = None) -> None:
         check_group_meta(meta, rank)
         self.meta, self.rank = meta, rank
-        self.device = _device_for(meta.backend)
+        # nccl: the engine's own GPU (a server may not run on the current device)
+        self.device = device if meta.backend == "nccl" and device is not None \
+            else _device_for(meta.backend)
         timeout = datetime.timedelta(seconds=timeout_s)
         tcp = store or dist.TCPStore(meta.master_addr, meta.master_port, meta.world_size,
                                      is_master=rank == 0, timeout=timeout,
@@ -220,10 +222,12 @@ class DistributedWeightReceiver:
     Reads the spec rank 0 published; `receive()` blocks until the trainer's next `broadcast`.
     """
 
-    def __init__(self, meta: WeightUpdateMeta, rank: int, timeout_s: float = 300.0) -> None:
+    def __init__(self, meta: WeightUpdateMeta, rank: int, timeout_s: float = 300.0,
+                 device: torch.device | None = None) -> None:
+        """`device`: where received tensors land with nccl (the engine's GPU)."""
         if rank == 0:
             raise ValueError("rank=0 is the trainer's; allowed engine ranks [1, world_size - 1]")
-        self.group = _SyncGroup(meta, rank, timeout_s)
+        self.group = _SyncGroup(meta, rank, timeout_s, device=device)
         self.spec, bucket_bytes = decode_spec(self.group.store.get(SPEC_KEY))
         self.buckets = plan_buckets(self.spec, bucket_bytes)
 
