@@ -124,6 +124,29 @@ def _report_and_exit(result) -> None:
     os._exit(code)
 
 
+def cmd_build_model(ns: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from asyncrl.models.presets import build_preset_model, check_preset, ensure_preset_model
+
+    start = time.perf_counter()
+    try:
+        check_preset(ns.preset)
+        if ns.out_dir is None:
+            out = ensure_preset_model(ns.preset, ns.dtype, ns.seed)
+        else:
+            out = Path(ns.out_dir)
+            if (out / "config.json").exists() and not ns.force:
+                raise UserError(f"{out} already holds a model (config.json); pass --force to "
+                                "overwrite it")
+            build_preset_model(ns.preset, out, ns.dtype, ns.seed)
+    except ValueError as err:  # a bad --preset/--dtype: the message names the allowed values
+        raise UserError(str(err)) from err
+    print(f"model_dir={out} preset={ns.preset} seconds={time.perf_counter() - start:.1f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--server-python", default=None, metavar="PYTHON",
                     help="the interpreter that has vLLM/SGLang installed (default: this one)")
     ev.set_defaults(func=cmd_eval)
+    bm = sub.add_parser("build-model", help="build a random-init model of a preset shape "
+                        "(tiny, qwen2.5-0.5b, qwen2.5-1.5b) as a HF directory")
+    bm.add_argument("out_dir", nargs="?", default=None, metavar="OUT_DIR",
+                    help="where to save it (default: the cache, reused when already built)")
+    bm.add_argument("--preset", required=True, metavar="NAME",
+                    help="tiny | qwen2.5-0.5b | qwen2.5-1.5b")
+    bm.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="weights dtype (default: bfloat16 for Qwen presets, float32 for tiny)")
+    bm.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    bm.add_argument("--force", action="store_true", help="overwrite a model already in OUT_DIR")
+    bm.set_defaults(func=cmd_build_model)
     return parser
 
 

@@ -1,0 +1,154 @@
+"""Training throughput and MFU of `HFTrainEngine` vs a plain HF training loop, real-size model.
+
+Both sides train the random-init Qwen2.5-0.5B-shaped preset (`asyncrl build-model`, cached) with
+fp32 master weights under bf16 autocast, on the same batch: --samples sequences of random regular
+token ids, lengths uniform in [--min-len, --max-len], loss on every token (an SFT step), one
+AdamW step (same lr/betas/eps, no weight decay, no clipping) per batch. Ours:
+`train_batch(samples, sft_token_loss)` with TrainEngineConfig(autocast_dtype="bfloat16",
+max_tokens_per_mb). Baseline: the ordinary transformers loop: chunks of --hf-batch samples in
+order, right-padded, `model(input_ids, attention_mask, labels).loss` scaled for accumulation,
+backward, `torch.optim.AdamW.step()`.
+
+tokens/s counts real tokens (padding excluded) over one full step; the two run alternately (one
+warm-up, then best of --repeats). MFU = 6 * params * tokens/s / --peak-flops (default: H100 SXM
+bf16 dense, 989 TFLOP/s; attention score FLOPs not counted); the header also prints the device's
+measured bf16 matmul GFLOP/s, and "of matmul" is MFU against that measured number instead.
+
+    python benchmarks/bench_gpu_train.py                                  # cuda, 0.5B
+    python benchmarks/bench_gpu_train.py --device cpu --preset tiny --samples 8 --max-len 128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+import torch
+from bench_train import make_samples  # the same sample maker as the tiny-model benchmark
+from gpu_common import (
+    H100_BF16_DENSE_FLOPS,
+    check_device,
+    default_device,
+    device_name,
+    finish,
+    matmul_gflops,
+    preset_model_dir,
+    print_table,
+    timed,
+)
+
+from asyncrl.api.trajectory import Sample
+from asyncrl.models.loading import load_causal_lm
+from asyncrl.models.tiny import count_parameters
+from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
+from asyncrl.train.optim import OptimizerConfig
+
+# Throughput does not depend on the lr; a small one keeps many steps of random data finite.
+OPTIM = OptimizerConfig(lr=1e-5, grad_clip=None, weight_decay=0.0)
+REGULAR_TOKENS = 151_643
+
+
+class PlainHFLoop:
+    """The baseline: padded chunks, HF's own shifted-label loss, gradient accumulation."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, device: torch.device) -> None:
+        self.model, self.batch, self.device = model.to(device), batch, device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas,
+                                           eps=OPTIM.eps, weight_decay=0.0)
+
+    def _chunk(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, ...]:
+        width = max(len(s.input_ids) for s in samples)
+        ids = torch.zeros(len(samples), width, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, s in enumerate(samples):
+            ids[i, :len(s.input_ids)] = torch.tensor(s.input_ids)
+            attn[i, :len(s.input_ids)] = 1
+        labels = ids.masked_fill(attn == 0, -100)
+        return ids.to(self.device), attn.to(self.device), labels.to(self.device)
+
+    def step(self, samples: Sequence[Sample]) -> None:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        chunks = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
+        for chunk in chunks:
+            ids, attn, labels = self._chunk(chunk)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                loss = self.model(input_ids=ids, attention_mask=attn, labels=labels,
+                                  use_cache=False).loss
+            (loss / len(chunks)).backward()
+        self.optimizer.step()
+
+
+def bench(args: argparse.Namespace, path: str, samples: list[Sample]) -> tuple[float, float]:
+    """(HF, ours) best real tokens/s."""
+    ours = HFTrainEngine(load_causal_lm(path, dtype="float32"), TrainEngineConfig(
+        max_tokens_per_mb=args.max_tokens_per_mb, optimizer=OPTIM, device=str(args.device),
+        autocast_dtype="bfloat16"))
+    hf = PlainHFLoop(load_causal_lm(path, dtype="float32"), args.hf_batch, args.device)
+    tokens = sum(len(s.input_ids) for s in samples)
+    hf_best = ours_best = 0.0
+    for rep in range(args.repeats + 1):  # interleaved; rep 0 is the warm-up
+        hf_tps = tokens / timed(lambda: hf.step(samples), args.device)
+        ours_tps = tokens / timed(lambda: ours.train_batch(samples, sft_token_loss), args.device)
+        if rep:
+            hf_best, ours_best = max(hf_best, hf_tps), max(ours_best, ours_tps)
+    return hf_best, ours_best
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=default_device(), help="cuda, cuda:N or cpu")
+    ap.add_argument("--preset", default="qwen2.5-0.5b", help="tiny | qwen2.5-0.5b | qwen2.5-1.5b")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--max-tokens-per-mb", type=int, default=16384, help="ours: packing budget")
+    ap.add_argument("--hf-batch", type=int, default=8, help="baseline: samples per padded chunk")
+    ap.add_argument("--repeats", type=int, default=3, help="best of N (after one warm-up)")
+    ap.add_argument("--peak-flops", type=float, default=H100_BF16_DENSE_FLOPS,
+                    help="MFU denominator in FLOP/s (default: H100 bf16 dense, 989e12)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--record", default=None, metavar="FILE.json", help="write the summary here")
+    args = ap.parse_args()
+    args.device = check_device(args.device)
+    if not 1 <= args.min_len <= args.max_len:
+        ap.error(f"--min-len={args.min_len} --max-len={args.max_len}: need 1 <= min <= max")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    path = str(preset_model_dir(args.preset, "bfloat16" if args.preset != "tiny" else None))
+    probe = load_causal_lm(path, dtype="bfloat16")
+    params, vocab = count_parameters(probe), min(probe.config.vocab_size, REGULAR_TOKENS)
+    del probe
+    samples = make_samples(args.samples, args.min_len, args.max_len, vocab)
+    tokens = sum(len(s.input_ids) for s in samples)
+    gflops = matmul_gflops(args.device, torch.bfloat16)
+    print(f"{args.preset}: {params / 1e6:.1f}M params, fp32 master + bf16 autocast | "
+          f"{device_name(args.device)} | bf16 matmul {gflops:,.0f} GFLOP/s | peak "
+          f"{args.peak_flops / 1e12:,.0f} TFLOP/s | {len(samples)} samples, len "
+          f"U[{args.min_len}, {args.max_len}], {tokens} tokens | HF chunks of {args.hf_batch}, "
+          f"ours {args.max_tokens_per_mb} tok/mb | load {os.getloadavg()[0]:.2f}")
+    hf, ours = bench(args, path, samples)
+    flops_per_token = 6 * params
+
+    def mfu(tps: float) -> float:
+        return tps * flops_per_token / args.peak_flops
+
+    def of_matmul(tps: float) -> float:
+        return tps * flops_per_token / (gflops * 1e9)
+
+    print_table(["side", "tok/s", "MFU", "of matmul", "ours/HF"], [
+        ["HF loop", hf, f"{mfu(hf):.2%}", f"{of_matmul(hf):.1%}", None],
+        ["ours", ours, f"{mfu(ours):.2%}", f"{of_matmul(ours):.1%}", ours / hf]])
+    finish({"bench": "gpu_train", "device": device_name(args.device), "preset": args.preset,
+            "params": params, "tokens_per_step": tokens, "matmul_gflops_bf16": gflops,
+            "peak_flops": args.peak_flops, "hf_tok_s": hf, "ours_tok_s": ours,
+            "ours_over_hf": ours / hf, "hf_mfu": mfu(hf), "ours_mfu": mfu(ours)}, args.record)
+
+
+if __name__ == "__main__":
+    main()
