@@ -90,6 +90,13 @@ def plan_buckets(spec: Sequence[TensorSpec], bucket_bytes: int) -> list[list[Ten
     return buckets
 
 
+def bucket_buffers(buckets: list[list[TensorSpec]], device: torch.device) -> list[torch.Tensor]:
+    """One flat buffer per bucket, allocated once per group: every update reuses them, so no
+    update pays for allocating and first touching the model's size again."""
+    return [torch.empty(sum(s.numel for s in b), dtype=b[0].dtype, device=device)
+            for b in buckets]
+
+
 def _device_for(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
         else torch.device("cpu")
@@ -177,6 +184,7 @@ class DistributedWeightSender:
         dist.PrefixStore(meta.group_name, self._tcp).set(
             SPEC_KEY, encode_spec(self.spec, meta.bucket_bytes))
         self.group: _SyncGroup | None = None
+        self._buffers: list[torch.Tensor] | None = None  # reused by every update
         if connect:
             self.connect()
 
@@ -206,9 +214,10 @@ class DistributedWeightSender:
                 g.broadcast(state_dict[s.name].detach().to(g.device, s.dtype).contiguous())
             return
         g.broadcast(torch.tensor([version, len(self.spec)], dtype=torch.long, device=g.device))
-        for bucket in self.buckets:
-            flat = torch.cat([state_dict[s.name].detach().reshape(-1).to(g.device, s.dtype)
-                              for s in bucket])
+        self._buffers = self._buffers or bucket_buffers(self.buckets, g.device)
+        for bucket, flat in zip(self.buckets, self._buffers):
+            torch.cat([state_dict[s.name].detach().reshape(-1).to(g.device, s.dtype)
+                       for s in bucket], out=flat)
             g.broadcast(flat)
 
     def close(self) -> None:
@@ -230,9 +239,11 @@ class DistributedWeightReceiver:
         self.group = _SyncGroup(meta, rank, timeout_s, device=device)
         self.spec, bucket_bytes = decode_spec(self.group.store.get(SPEC_KEY))
         self.buckets = plan_buckets(self.spec, bucket_bytes)
+        self._buffers = bucket_buffers(self.buckets, self.group.device)
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """(version, every tensor by name), all staged before anything is applied."""
+        """(version, every tensor by name), all staged before anything is applied. The tensors
+        are views of buffers the next `receive` overwrites: apply (copy) them before that."""
         g = self.group
         header = torch.zeros(2, dtype=torch.long, device=g.device)
         g.broadcast(header)
@@ -241,9 +252,7 @@ class DistributedWeightReceiver:
             raise RuntimeError(f"trainer sent {count} tensors, the group spec has "
                                f"{len(self.spec)}; sender and receiver are out of step")
         out: dict[str, torch.Tensor] = {}
-        for bucket in self.buckets:
-            flat = torch.empty(sum(s.numel for s in bucket), dtype=bucket[0].dtype,
-                               device=g.device)
+        for bucket, flat in zip(self.buckets, self._buffers):
             g.broadcast(flat)
             for s, part in zip(bucket, torch.split(flat, [s.numel for s in bucket])):
                 out[s.name] = part.view(s.shape)
