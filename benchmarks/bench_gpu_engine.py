@@ -8,10 +8,6 @@ alternately (one warm-up, then best of --repeats), so drift hits both alike: com
 column across machines. The header prints the device's measured matmul GFLOP/s in the run's
 dtype; "roofline" is the share of it that 2 * params FLOPs per generated token would use.
 
-The engine takes the device from EngineSettings.device when that field exists; without it the
-engine can only run on CPU and a --device cuda run stops with a message instead of comparing a
-CPU engine with a GPU baseline.
-
     python benchmarks/bench_gpu_engine.py                          # cuda, 0.5B, batch 1/64/256
     python benchmarks/bench_gpu_engine.py --device cpu --preset tiny --batch-sizes 1,16 \\
         --prompt-len 16 --new-tokens 16                            # CPU smoke run
@@ -42,11 +38,11 @@ REGULAR_TOKENS = 151_643  # ids below Qwen's added tokens
 
 
 def engine_config(args: argparse.Namespace, path: str, batch: int) -> EngineConfig:
-    extra = {"device": str(args.device)} if "device" in EngineConfig.model_fields else {}
     return EngineConfig(
         model_path=path, max_num_seqs=batch, max_seq_len=args.prompt_len + args.new_tokens,
         dtype=args.dtype, ignore_eos=True, seed=args.seed,
-        max_prefill_tokens=max(8192, batch * args.prompt_len), **extra)
+        max_prefill_tokens=max(8192, batch * args.prompt_len),
+        device=str(args.device))
 
 
 def run_hf(model, prompts: torch.Tensor, args: argparse.Namespace) -> float:
@@ -110,10 +106,6 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     args.device = check_device(args.device)
     args.dtype = args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")
-    if args.device.type != "cpu" and "device" not in EngineConfig.model_fields:
-        raise SystemExit("EngineSettings has no `device` field yet, so the engine runs on CPU "
-                         f"only; --device {args.device} would compare a CPU engine with a GPU "
-                         "baseline. Run with --device cpu.")
     if args.threads:
         torch.set_num_threads(args.threads)
     return args

@@ -237,3 +237,12 @@ def test_torchrun_two_trainer_ranks(model_dir, tmp_path, estimator):
     if estimator == "gae":
         assert all(math.isfinite(m["critic/loss"]) for m in rows)
     assert out.stdout.count("run_dir=") == 1  # only rank 0 reports
+    if estimator == "grpo":
+        # the sharded checkpoint of 2 ranks resumes in one process (another world size)
+        out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run),
+                              "total_steps=3"], capture_output=True, text=True, env=env,
+                             timeout=200)
+        assert out.returncode == 0, out.stderr[-4000:]
+        rows = [m for m in metrics(run) if "reward/mean" in m]
+        assert [m["policy/version"] for m in rows] == [1.0, 2.0, 3.0]
+        assert "RNG states of 2 ranks" in out.stderr + out.stdout
