@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
 
 import torch
-from bench_train import make_samples  # the same sample maker as the tiny-model benchmark
+from bench_train import HFLoop, make_samples  # the tiny-model benchmark's baseline and samples
 from gpu_common import (
     H100_BF16_DENSE_FLOPS,
     check_device,
@@ -48,43 +47,12 @@ OPTIM = OptimizerConfig(lr=1e-5, grad_clip=None, weight_decay=0.0)
 REGULAR_TOKENS = 151_643
 
 
-class PlainHFLoop:
-    """The baseline: padded chunks, HF's own shifted-label loss, gradient accumulation."""
-
-    def __init__(self, model: torch.nn.Module, batch: int, device: torch.device) -> None:
-        self.model, self.batch, self.device = model.to(device), batch, device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas,
-                                           eps=OPTIM.eps, weight_decay=0.0)
-
-    def _chunk(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, ...]:
-        width = max(len(s.input_ids) for s in samples)
-        ids = torch.zeros(len(samples), width, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, s in enumerate(samples):
-            ids[i, :len(s.input_ids)] = torch.tensor(s.input_ids)
-            attn[i, :len(s.input_ids)] = 1
-        labels = ids.masked_fill(attn == 0, -100)
-        return ids.to(self.device), attn.to(self.device), labels.to(self.device)
-
-    def step(self, samples: Sequence[Sample]) -> None:
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        chunks = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
-        for chunk in chunks:
-            ids, attn, labels = self._chunk(chunk)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                loss = self.model(input_ids=ids, attention_mask=attn, labels=labels,
-                                  use_cache=False).loss
-            (loss / len(chunks)).backward()
-        self.optimizer.step()
-
-
 def bench(args: argparse.Namespace, path: str, samples: list[Sample]) -> tuple[float, float]:
     """(HF, ours) best real tokens/s."""
     ours = HFTrainEngine(load_causal_lm(path, dtype="float32"), TrainEngineConfig(
         max_tokens_per_mb=args.max_tokens_per_mb, optimizer=OPTIM, device=str(args.device),
         autocast_dtype="bfloat16"))
-    hf = PlainHFLoop(load_causal_lm(path, dtype="float32"), args.hf_batch, args.device)
+    hf = HFLoop(load_causal_lm(path, dtype="float32"), args.hf_batch, True, args.device, OPTIM)
     tokens = sum(len(s.input_ids) for s in samples)
     hf_best = ours_best = 0.0
     for rep in range(args.repeats + 1):  # interleaved; rep 0 is the warm-up

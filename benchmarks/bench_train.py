@@ -89,9 +89,11 @@ LAYOUTS = {"packed": {"attention_layout": "packed"},
 class HFLoop:
     """The baseline: padded batches, HF's own label-shifted loss, gradient accumulation."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, autocast: bool) -> None:
-        self.model, self.batch, self.autocast = model, batch, autocast
-        self.optimizer, _ = build_optimizer(model.parameters(), OPTIM, total_steps=1)
+    def __init__(self, model: torch.nn.Module, batch: int, autocast: bool,
+                 device: torch.device | None = None, optim: OptimizerConfig = OPTIM) -> None:
+        self.device = device or torch.device("cpu")
+        self.model, self.batch, self.autocast = model.to(self.device), batch, autocast
+        self.optimizer, _ = build_optimizer(self.model.parameters(), optim, total_steps=1)
 
     def _chunk(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, ...]:
         width = max(len(s.input_ids) for s in samples)
@@ -100,7 +102,7 @@ class HFLoop:
         for i, s in enumerate(samples):
             ids[i, :len(s.input_ids)] = torch.tensor(s.input_ids)
             attn[i, :len(s.input_ids)] = 1
-        return ids, attn, ids.masked_fill(attn == 0, -100)
+        return tuple(t.to(self.device) for t in (ids, attn, ids.masked_fill(attn == 0, -100)))
 
     def step(self, samples: Sequence[Sample]) -> None:
         self.model.train()
@@ -108,7 +110,7 @@ class HFLoop:
         chunks = [samples[i:i + self.batch] for i in range(0, len(samples), self.batch)]
         for chunk in chunks:
             ids, attn, labels = self._chunk(chunk)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = self.model(input_ids=ids, attention_mask=attn, labels=labels,
                                   use_cache=False).loss
             (loss / len(chunks)).backward()

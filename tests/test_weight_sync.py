@@ -265,12 +265,12 @@ def test_group_routes_refuse_bad_calls_clearly(server):
     import httpx
 
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"master_addr": "127.0.0.1", "master_port": 1, "world_size": 2, "rank": 2}
+    body = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2, "rank_offset": 2}
     r = httpx.post(server + "/weights/join_group", json=body, headers=headers)
-    assert r.status_code == 400 and "rank=2 is out of range; allowed [1, 1]" in r.text
+    assert r.status_code == 400 and "rank_offset=2 is out of range; allowed [1, 1]" in r.text
     # nobody listens on the port: the rendezvous fails within the timeout, as a 503 naming it
     # (and the server leaves any group it was in: a new join replaces the group)
-    body.update(rank=1, master_port=free_port(), timeout_s=1, backend="gloo")
+    body.update(rank_offset=1, master_port=free_port(), timeout_s=1, backend="gloo")
     r = httpx.post(server + "/weights/join_group", json=body, headers=headers, timeout=30)
     assert r.status_code == 503 and "could not join the weight group at 127.0.0.1" in r.text
     r = httpx.post(server + "/weights/update_distributed", json={"version": 1}, headers=headers)

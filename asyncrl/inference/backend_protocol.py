@@ -100,6 +100,13 @@ class GroupJoin:
     backend: str  # "nccl" or "gloo"
 
 
+def join_body(join: GroupJoin) -> dict[str, Any]:
+    """The join body SGLang's /init_weights_update_group takes; `asyncrl serve` takes the same."""
+    return {"master_address": join.master_addr, "master_port": join.master_port,
+            "rank_offset": join.rank_offset, "world_size": join.world_size,
+            "group_name": join.group_name, "backend": join.backend}
+
+
 @dataclass(frozen=True)
 class WireTensor:
     """One tensor of a broadcast update, as the receiving server is told about it."""

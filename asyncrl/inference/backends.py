@@ -29,6 +29,7 @@ from asyncrl.inference.backend_protocol import (
     Segment,
     ServerCheck,
     WireTensor,
+    join_body,
     reply_field,
 )
 from asyncrl.inference.sglang_backend import SGLangBackend
@@ -110,10 +111,7 @@ class AsyncrlBackend:
         return [HttpCall("POST", "/update_weights", json={"path": path, "version": version})]
 
     def join_group_call(self, join: GroupJoin) -> HttpCall:
-        return HttpCall("POST", "/weights/join_group", json={
-            "master_addr": join.master_addr, "master_port": join.master_port,
-            "world_size": join.world_size, "rank": join.rank_offset,
-            "group_name": join.group_name, "backend": join.backend})
+        return HttpCall("POST", "/weights/join_group", json=join_body(join))
 
     def distributed_update_calls(self, join: GroupJoin, tensors: list[WireTensor],
                                  version: int) -> list[HttpCall]:

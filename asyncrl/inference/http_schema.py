@@ -305,20 +305,21 @@ class DiskWeightsBody(StrictBody):
 
 
 class JoinGroupBody(StrictBody):
-    """Join the trainer's weight-broadcast group (inference/weight_group.py) as `rank`."""
+    """Join the trainer's weight-broadcast group (inference/weight_group.py) as `rank_offset`
+    (the fields of SGLang's /init_weights_update_group: one trainer client serves both)."""
 
-    master_addr: str
+    master_address: str
     master_port: int = pydantic.Field(ge=1, le=65535)
     world_size: int = pydantic.Field(ge=2)
-    rank: int = pydantic.Field(ge=1)  # 0 is the trainer
+    rank_offset: int = pydantic.Field(ge=1)  # this server's rank; 0 is the trainer
     group_name: str = "asyncrl_weight_sync"
     backend: Literal["nccl", "gloo"] = "nccl"
     timeout_s: float = pydantic.Field(300.0, gt=0)  # forming the group, and each later update
 
     @pydantic.model_validator(mode="after")
     def _rank_in_world(self) -> JoinGroupBody:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank={self.rank} is out of range; allowed [1, "
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset={self.rank_offset} is out of range; allowed [1, "
                              f"{self.world_size - 1}] for world_size={self.world_size}")
         return self
 

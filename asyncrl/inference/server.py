@@ -183,7 +183,7 @@ def add_group_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     async def join_group(body: JoinGroupBody) -> dict:
         meta = WeightUpdateMeta(
             kind=WeightUpdateKind.DISTRIBUTED, version=engine.get_version(),
-            master_addr=body.master_addr, master_port=body.master_port,
+            master_addr=body.master_address, master_port=body.master_port,
             world_size=body.world_size, group_name=body.group_name, backend=body.backend)
         async with lock:
             old, state["receiver"] = state["receiver"], None
@@ -191,16 +191,16 @@ def add_group_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
                 old.close()
             try:
                 receiver = await asyncio.to_thread(
-                    DistributedWeightReceiver, meta, body.rank, body.timeout_s,
+                    DistributedWeightReceiver, meta, body.rank_offset, body.timeout_s,
                     engine.engine.device)
             except ValueError:
                 raise
             except Exception as err:  # the rendezvous failed: the trainer's end, not ours
                 raise HTTPException(503, f"could not join the weight group at "
-                                         f"{body.master_addr}:{body.master_port} as rank "
-                                         f"{body.rank}: {err}") from err
+                                         f"{body.master_address}:{body.master_port} as rank "
+                                         f"{body.rank_offset}: {err}") from err
             state["receiver"] = receiver
-        return {"success": True, "rank": body.rank, "tensors": len(receiver.spec)}
+        return {"success": True, "rank": body.rank_offset, "tensors": len(receiver.spec)}
 
     @app.post(GROUP_UPDATE_PATH)
     async def update_distributed(body: DistributedUpdateBody) -> dict:

@@ -14,6 +14,7 @@ from asyncrl.inference.backend_protocol import (
     ServerCheck,
     WireTensor,
     is_int,
+    join_body,
     reply_field,
     version_verdict,
 )
@@ -136,10 +137,7 @@ class SGLangBackend:
     def join_group_call(self, join: GroupJoin) -> HttpCall:
         if join.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend={join.backend!r} is not known; allowed 'nccl', 'gloo'")
-        return HttpCall("POST", "/init_weights_update_group", json={
-            "master_address": join.master_addr, "master_port": join.master_port,
-            "rank_offset": join.rank_offset, "world_size": join.world_size,
-            "group_name": join.group_name, "backend": join.backend})
+        return HttpCall("POST", "/init_weights_update_group", json=join_body(join))
 
     def distributed_update_calls(self, join: GroupJoin, tensors: list[WireTensor],
                                  version: int) -> list[HttpCall]:

@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import string
 import sysconfig
-import tempfile
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, \
@@ -179,26 +176,12 @@ def bpe_tokenizer_dir(texts: list[str] | None = None) -> Path:
 
 
 def ensure_bpe_tokenizer() -> Path:
-    """The cached tokenizer directory, built first if absent (temp dir + rename, as
-    `ensure_tiny_model`, so a crash never leaves a directory that looks complete)."""
+    """The cached tokenizer directory, built first if absent."""
+    from asyncrl.models.loading import build_once
+
     texts = corpus_texts()
-    out = bpe_tokenizer_dir(texts)
-    if (out / "tokenizer.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        save_tokenizer(build_bpe_tokenizer(texts), tmp)
-        if out.exists() and not (out / "tokenizer.json").is_file():
-            shutil.rmtree(out)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (out / "tokenizer.json").is_file():
-                raise  # another process finished first otherwise: same corpus, same result
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_once(bpe_tokenizer_dir(texts), "tokenizer.json",
+                      lambda tmp: save_tokenizer(build_bpe_tokenizer(texts), tmp))
 
 
 def load_bpe_tokenizer() -> PreTrainedTokenizerFast:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -124,31 +125,36 @@ def default_model_dir(cfg: TinyModelConfig | None = None) -> Path:
     return cache_root() / "models" / f"tiny-{tiny_config_hash(cfg)}"
 
 
-def ensure_tiny_model(cfg: TinyModelConfig | None = None) -> Path:
-    """The cached tiny model directory for `cfg`, building it first if it is not there yet.
+def build_once(out: Path, marker: str, build: Callable[[Path], Any]) -> Path:
+    """`out`, running `build(tmp_dir)` first unless `out/marker` exists (a finished build).
 
     Built in a temporary sibling directory and renamed into place, so a crash mid-write never
-    leaves a directory that looks complete; two processes racing both build, one rename wins.
+    leaves a directory that looks complete; two processes racing both build (from the same key,
+    so the same result) and one rename wins.
     """
-    cfg = cfg or TinyModelConfig()
-    out = default_model_dir(cfg)
-    if (out / "config.json").is_file():
+    if (out / marker).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        build_tiny_model(cfg, tmp)
-        if out.exists() and not (out / "config.json").is_file():
-            shutil.rmtree(out)  # not ours to trust: no config.json means it never finished
+        build(tmp)
+        if out.exists() and not (out / marker).is_file():
+            shutil.rmtree(out)  # not ours to trust: no marker means it never finished
         try:
             os.replace(tmp, out)
         except OSError:
-            if not (out / "config.json").is_file():
-                raise
-            # Another process finished first; its copy is identical (same config and seed).
+            if not (out / marker).is_file():
+                raise  # else another process finished first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def ensure_tiny_model(cfg: TinyModelConfig | None = None) -> Path:
+    """The cached tiny model directory for `cfg`, building it first if it is not there yet."""
+    cfg = cfg or TinyModelConfig()
+    return build_once(default_model_dir(cfg), "config.json",
+                      lambda tmp: build_tiny_model(cfg, tmp))
 
 
 def resolve_model_dir(model: ModelConfig, tiny: TinyModelConfig | None = None) -> Path:

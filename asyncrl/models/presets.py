@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -167,27 +164,12 @@ def preset_model_dir(name: str, dtype: str | None = None, seed: int = 0) -> Path
 
 
 def ensure_preset_model(name: str, dtype: str | None = None, seed: int = 0) -> Path:
-    """The cached model directory of preset `name`, built first if absent (temp dir + rename)."""
-    from asyncrl.models.loading import ensure_tiny_model
+    """The cached model directory of preset `name`, built first if absent."""
+    from asyncrl.models.loading import build_once, ensure_tiny_model
     from asyncrl.models.tiny import TinyModelConfig
 
     dtype = check_dtype(dtype, check_preset(name))
     if name == TINY:
         return ensure_tiny_model(TinyModelConfig(dtype=dtype, seed=seed))
-    out = preset_model_dir(name, dtype, seed)
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        build_preset_model(name, tmp, dtype, seed)
-        if out.exists() and not (out / "config.json").is_file():
-            shutil.rmtree(out)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (out / "config.json").is_file():
-                raise  # else another process finished first, with the same weights
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_once(preset_model_dir(name, dtype, seed), "config.json",
+                      lambda tmp: build_preset_model(name, tmp, dtype, seed))
