@@ -23,7 +23,7 @@ class RemoteEngineConfig(Config):
     health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
     max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
     # weight_sync nccl/gloo: ranks each server takes in the weight group (asyncrl serve: 1;
-    # vLLM / SGLang: their tensor-parallel size)
+    # SGLang: its tensor-parallel size; vLLM servers report theirs)
     ranks_per_server: int = pydantic.Field(1, ge=1)
     api_key: str | None = None  # bearer token sent on every call (the servers' --api-key)
     # Servers outside the backend's tested version range are refused at startup unless this is set.

@@ -1,7 +1,8 @@
 """The remote client's end of collective weight sync (`inference.weight_sync: nccl | gloo`).
 
 The trainer process is rank 0 of a process group whose other ranks are the servers' engines
-(`ranks_per_server` each: 1 for `asyncrl serve`, the tensor-parallel size for vLLM / SGLang).
+(as many per server as it has workers: vLLM says so on a route, SGLang's tensor-parallel size is
+`ranks_per_server`; `asyncrl serve` takes 1).
 The group is formed on the first update, and formed again whenever the set of reachable servers
 changes or an update fails, since a collective cannot skip a member: a server that was down
 rejoins with the next update and so gets the current weights back. Forming it = open the
@@ -94,14 +95,15 @@ class GroupSync:
     async def _form(self, members: list[ServerState], meta: WeightUpdateMeta,
                     weights: Mapping[str, Any]) -> None:
         self.close()
-        rps = self.ranks_per_server
+        ranks = await self._ranks(members)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(members))]
         # a name per group: a process keeps a group's name registered until it is destroyed
-        meta = dataclasses.replace(meta, world_size=1 + rps * len(members),
+        meta = dataclasses.replace(meta, world_size=1 + sum(ranks),
                                    group_name=f"{meta.group_name}_{self.groups_formed + 1}")
         sender = await asyncio.to_thread(self._sender_class(), meta, weights, self.timeout_s,
                                          False)
-        joins = [GroupJoin(meta.master_addr, sender.port, meta.world_size, 1 + rps * i,
-                           meta.group_name, meta.backend) for i in range(len(members))]
+        joins = [GroupJoin(meta.master_addr, sender.port, meta.world_size, offset,
+                           meta.group_name, meta.backend) for offset in offsets]
         calls = [self._request(s, self.backend.join_group_call(j), self.timeout_s)
                  for s, j in zip(members, joins)]
         outcome = await asyncio.gather(asyncio.to_thread(sender.connect), *calls,
@@ -137,6 +139,16 @@ class GroupSync:
         if isinstance(sent, BaseException):
             return {s: r or sent for s, r in results.items()}
         return results
+
+    async def _ranks(self, members: list[ServerState]) -> list[int]:
+        """Group ranks per server: asked of servers that tell (vLLM: its TP*PP*DP workers),
+        else `ranks_per_server`."""
+        ask = getattr(self.backend, "ranks_call", None)
+        if ask is None:
+            return [self.ranks_per_server] * len(members)
+        replies = await asyncio.gather(*(self._request(s, ask(), self.probe_timeout_s)
+                                         for s in members))
+        return [self.backend.parse_ranks(r) for r in replies]
 
     def _sender_class(self) -> type:
         if self.backend.broadcast_layout == "vllm_per_tensor":  # vLLM's own communicator

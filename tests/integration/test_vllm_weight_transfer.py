@@ -78,6 +78,24 @@ def test_server_has_the_nccl_weight_transfer_engine(server):
     assert BACKEND.parse_ranks(send(server, BACKEND.ranks_call()).json()) == 1
 
 
+def test_the_remote_client_reads_each_servers_ranks(server):
+    """The weight group gives a vLLM server as many ranks as it reports (its workers)."""
+    import asyncio
+
+    from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+
+    engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=[server], backend="vllm",
+                                                      api_key=KEY, ranks_per_server=3))
+
+    async def ranks():
+        try:
+            return await engine._group_sync()._ranks(engine.pool.servers)
+        finally:
+            await engine.aclose()
+
+    assert asyncio.run(ranks()) == [1]  # asked of the server, not the configured 3
+
+
 def test_join_body_is_parsed_then_fails_for_want_of_a_gpu(server):
     # nothing listens there: on this CPU server the worker fails before any rendezvous
     join = GroupJoin("127.0.0.1", free_port(), 2, 1, "unused", "nccl")
