@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from asyncrl.errors import UserError
+from asyncrl.errors import JobFailed, UserError
 
 
 def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
@@ -90,6 +90,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
     bad = [a for a in overrides if "=" not in a]
     if bad:
         raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
+    if ns.ray:
+        overrides = [*overrides, "launcher=ray",
+                     *([f"ray.address={ns.ray}"] if ns.ray != "local" else [])]
     if ns.resume:
         if path is not None:
             raise UserError(f"--resume {ns.resume} uses the run's saved config.yaml; drop {path!r} "
@@ -160,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optional YAML config, then dotted overrides like rollout.batch_size=32")
     tr.add_argument("--resume", metavar="RUN_DIR", default=None,
                     help="continue a stopped run from its latest checkpoint")
+    tr.add_argument("--ray", metavar="ADDRESS", default=None,
+                    help="run on a Ray cluster (launcher=ray): 'auto' (the cluster this machine "
+                         "joined), HOST:PORT of its head, or 'local' (a Ray started for this "
+                         "job); see the ray.* settings")
     tr.set_defaults(func=cmd_train)
     srv = sub.add_parser("serve", help="serve a model with the built-in engine over HTTP")
     srv.add_argument("--model", required=True, help="local HF model directory")
@@ -222,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(err).splitlines():
             print(f"asyncrl {ns.command}: error: {line}", file=sys.stderr)
         return 2
+    except JobFailed as err:
+        print(f"asyncrl {ns.command}: failed: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"asyncrl {ns.command}: interrupted", file=sys.stderr)
         return 130

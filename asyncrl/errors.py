@@ -7,3 +7,8 @@ traceback. Subclasses of ValueError so library callers can catch them the ordina
 
 class UserError(ValueError):
     """A problem in the user's input; the message names the file/field and what is allowed."""
+
+
+class JobFailed(RuntimeError):
+    """A job stopped by a failure outside the user's input (a lost node, a dead process); the
+    message says what happened and how to go on, so the CLI prints it without a traceback."""

@@ -563,6 +563,38 @@ def test_tensor_weight_push_reaches_every_server(servers, new_weights):
     assert [httpx.get(u + "/version").json()["version"] for u, _ in servers] == [2, 2, 2]
 
 
+def test_a_replaced_server_serves_again_once_it_has_the_current_weights(servers, new_weights):
+    """What a Ray-restarted server goes through (`replace_server`: same slot, new address): out
+    of rotation, still out when a probe finds it at an old version, back after the next update."""
+    engine = make_engine(servers[:2], health_check_interval_s=0.2)
+    state = load_causal_lm(new_weights).state_dict()
+    new_url = servers[2][0]
+
+    async def until_healthy(server, tries=50):
+        for _ in range(tries):
+            await engine.agenerate(ModelRequest([9], fixed_len(1)))  # probes in the background
+            if server.health is ServerHealth.HEALTHY:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def main():
+        await engine.update_weights(WeightUpdateMeta.from_tensors(7, 1 << 20), state)
+        engine.replace_server(0, new_url)
+        moved = engine.pool.servers[0]
+        assert moved.address == new_url and moved.health is ServerHealth.UNHEALTHY
+        assert not await until_healthy(moved, 20) and moved.requests == 0  # old version: out
+        await engine.update_weights(WeightUpdateMeta.from_tensors(8, 1 << 20), state)
+        assert await until_healthy(moved)
+        outs = [await engine.agenerate(ModelRequest([5, 6], fixed_len(2))) for _ in range(4)]
+        await engine.aclose()
+        return moved, outs
+
+    moved, outs = asyncio.run(main())
+    assert moved.requests > 0 and all(o.output_versions == [8, 8] for o in outs)
+    assert httpx.get(new_url + "/version").json()["version"] == 8
+
+
 def test_interrupt_returns_partial_output_until_resume(servers):
     """For a checkpoint of episodes in flight: `interrupt` returns every call with the tokens it
     has (ABORT) instead of continuing it, new calls return empty; `resume` ends that."""

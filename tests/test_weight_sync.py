@@ -231,7 +231,7 @@ def test_broadcast_sync_survives_a_killed_server(model_dir, tmp_path):
     async def run(engines):
         await push(engines, 1)
         model = await push(engines, 2)
-        group = engines.engine._group
+        group = engines.engine._weights._group
         assert group.groups_formed == 1 and len(group.members) == 2
         for url in engines.urls:
             got = server_greedy_nokey(url, engines.servers.api_key)

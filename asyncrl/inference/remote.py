@@ -38,7 +38,6 @@ from asyncrl.api import (
     ModelRequest,
     ModelResponse,
     StopReason,
-    WeightUpdateKind,
     WeightUpdateMeta,
 )
 from asyncrl.inference.backends import (
@@ -61,7 +60,7 @@ from asyncrl.inference.remote_errors import (
     json_or_text,
     reply_body,
 )
-from asyncrl.inference.remote_group import GroupSync
+from asyncrl.inference.remote_weights import RemoteWeights
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool, ServerState
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class RemoteInferenceEngine:
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._control = ControlFanout(cfg, self.pool, self._headers)
         self._background: set[asyncio.Task] = set()
-        self._group: GroupSync | None = None  # collective weight sync, formed on first use
+        self._weights = RemoteWeights(cfg, self.backend, self.pool, self._request)
 
     # ---- InferenceEngine protocol -----------------------------------------------------------
 
@@ -153,38 +152,22 @@ class RemoteInferenceEngine:
     async def update_weights(
         self, meta: WeightUpdateMeta, weights: Mapping[str, Any] | None = None,
     ) -> None:
-        """Load `meta.version` on every server: DISK by path, TENSORS pushed in buckets,
-        DISTRIBUTED broadcast over the weight group (remote_group.py); then each server must
-        report `meta.version` on its health route before this returns.
-
-        A server that cannot be reached misses the update and leaves the rotation until a probe
-        finds it at this version (servers that report one; the next update is sent to it too);
-        a server that answers with an error, or reports another version afterwards, fails the call.
-        """
-        if meta.kind == WeightUpdateKind.DISTRIBUTED:
-            outcome = await self._group_sync().update(self.pool.servers, meta, weights)
-        else:
-            jobs = self._weight_jobs(meta, weights)
-            outcome = dict(zip(jobs, await asyncio.gather(*jobs.values(),
-                                                           return_exceptions=True)))
-        errors, updated = [], 0
-        for server, result in outcome.items():
-            if result is None or not isinstance(result, BaseException):
-                self.pool.set_version(server, meta.version)
-                updated += 1
-            elif isinstance(result, (ServerFailure, httpx.TransportError)):
-                self.pool.mark_failed(server, f"missed weight update to version {meta.version}: "
-                                              f"{result}")
-            else:
-                errors.append(f"{server.address}: {result}")
-        if errors:
-            raise RuntimeError(f"weight update to version {meta.version} failed: "
-                               + "; ".join(errors))
-        if updated == 0:
-            raise RemoteEngineError(f"weight update to version {meta.version} reached no server; "
-                                    f"servers: {self.pool.describe()}")
+        """Load `meta.version` on every server (remote_weights.py: DISK by path, TENSORS in
+        buckets, DISTRIBUTED over the weight group); each must then report it. A server that
+        cannot be reached misses the update and leaves the rotation until a probe finds it at
+        this version; one that answers with an error fails the call."""
+        await self._weights.update(meta, weights)
         self._version = meta.version
         self.pool.required_version = meta.version
+
+    def replace_server(self, index: int, address: str) -> None:
+        """Server `index` was restarted at `address` (a Ray actor on another node): its requests
+        in flight continue elsewhere; it serves again once it has the current weights (the next
+        update reaches it; a weight group forms again with it)."""
+        old = self.pool.servers[index].address
+        self.pool.replace(index, address)
+        log.warning("server %d moved from %s to %s; out of rotation until it has weight version "
+                    "%d", index, old, address, self._version)
 
     # ---- monitoring and lifecycle -----------------------------------------------------------
 
@@ -201,8 +184,7 @@ class RemoteInferenceEngine:
             clients = list(self._clients.items())
             self._clients.clear()
         self._control.close()
-        if self._group is not None:
-            self._group.close()
+        self._weights.close()
         for loop, client in clients:
             if loop.is_running():  # a stopped loop would never run it; GC closes those sockets
                 asyncio.run_coroutine_threadsafe(client.aclose(), loop)
@@ -375,58 +357,6 @@ class RemoteInferenceEngine:
         task = asyncio.get_running_loop().create_task(abort())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def _weight_jobs(self, meta: WeightUpdateMeta, weights: Mapping[str, Any] | None
-                     ) -> dict[ServerState, Any]:
-        servers = self.pool.servers
-        if meta.kind == WeightUpdateKind.DISK:
-            calls = self.backend.disk_update_calls(meta.path, meta.version)
-            if not calls:
-                raise ValueError(f"kind=disk is not supported by backend={self.backend.name!r}: "
-                                 "its server has no endpoint that loads weights from a path")
-            return {s: self._update_and_verify(s, calls, meta.version) for s in servers}
-        if meta.kind == WeightUpdateKind.TENSORS:
-            if not self.backend.supports_tensor_push:
-                raise ValueError(f"kind=tensors is not supported by backend={self.backend.name!r}; "
-                                 f"allowed: {WeightUpdateKind.DISK.value}")
-            if weights is None:
-                raise ValueError("update_weights(kind=tensors) needs the `weights` argument")
-            from asyncrl.inference.weight_buckets import push_weights_over_http
-
-            items = list(weights.items())
-
-            async def push(server: ServerState) -> None:
-                await asyncio.to_thread(push_weights_over_http, server.address, items,
-                                        meta.version, meta.bucket_bytes, self.cfg.api_key,
-                                        self.cfg.control_timeout_s)
-                await self._verify_version(server, meta.version)
-
-            return {s: push(s) for s in servers}
-        raise ValueError(f"kind={meta.kind.value!r} is not supported by the remote client; "
-                         f"allowed {[k.value for k in WeightUpdateKind]}")
-
-    def _group_sync(self) -> GroupSync:
-        if self._group is None:
-            self._group = GroupSync(self.backend, self._request, self._update_and_verify,
-                                    self.cfg.ranks_per_server, self.cfg.control_timeout_s,
-                                    self.cfg.connect_timeout_s)
-        return self._group
-
-    async def _update_and_verify(self, server: ServerState, calls: list[HttpCall],
-                                 version: int) -> None:
-        for call in calls:
-            body = await self._request(server, call, self.cfg.control_timeout_s)
-            if isinstance(body, dict) and body.get("success") is False:  # SGLang-style failure
-                raise RuntimeError(f"{call.path} failed: {str(body)[:300]}")
-        await self._verify_version(server, version)
-
-    async def _verify_version(self, server: ServerState, version: int) -> None:
-        """The server itself must now report `version` (when its health route reports one)."""
-        body = await self._request(server, self.backend.health_call(), self.cfg.control_timeout_s)
-        reported = self.backend.parse_health(body)
-        if reported is not None and reported != version:
-            raise RuntimeError(f"after the update to version {version} the server reports "
-                               f"version {reported} on {self.backend.health_call().path}")
 
     # ---- startup checks and per-server probes -------------------------------------------------
 

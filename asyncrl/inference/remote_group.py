@@ -43,6 +43,7 @@ class GroupSync:
         self.timeout_s, self.probe_timeout_s = timeout_s, probe_timeout_s
         self.sender: Any = None  # DistributedWeightSender, or VLLMWeightSender for vLLM
         self.members: list[ServerState] = []
+        self.addresses: list[str] = []  # the members' addresses when the group formed
         self.joins: list[GroupJoin] = []  # each member's place in the group
         self.groups_formed = 0
 
@@ -73,6 +74,7 @@ class GroupSync:
             return results
         try:
             if (self.sender is None or members != self.members
+                    or [s.address for s in members] != self.addresses
                     or spec_of(weights) != self.sender.spec):
                 await self._form(members, meta, weights)
             results.update(await self._broadcast(meta, weights))
@@ -115,6 +117,7 @@ class GroupSync:
             raise RuntimeError("forming the weight group failed: "
                                + "; ".join(f"{who}: {err}" for who, err in failed))
         self.sender, self.members, self.joins = sender, members, joins
+        self.addresses = [s.address for s in members]
         self.groups_formed += 1
         log.info("weight group %d formed at %s:%d (%s, world size %d: the trainer and %d "
                  "server(s))", self.groups_formed, meta.master_addr, sender.port, meta.backend,
@@ -177,4 +180,4 @@ class GroupSync:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
-        self.sender, self.members, self.joins = None, [], []
+        self.sender, self.members, self.joins, self.addresses = None, [], [], []

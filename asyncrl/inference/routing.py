@@ -141,6 +141,18 @@ class ServerPool:
             if version is not None:
                 server.version = version
 
+    def replace(self, index: int, address: str) -> ServerState:
+        """Server `index` now lives at `address` (restarted elsewhere): out of rotation until a
+        weight update brings it to the current version and a probe finds it there."""
+        with self._lock:
+            s = self.servers[index]
+            s.address = address.rstrip("/")
+            s.health = ServerHealth.UNHEALTHY
+            s.version = 0
+            s.last_error = "restarted: waits for the current weights"
+            s.next_probe_at = self._clock()
+            return s
+
     def add_tokens(self, server: ServerState, n: int) -> None:
         with self._lock:
             server.tokens += n

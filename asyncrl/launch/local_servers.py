@@ -94,7 +94,7 @@ class LocalServers:
             if got.startswith(READY_PREFIX):
                 return got[len(READY_PREFIX):].strip()
         else:
-            url = f"http://127.0.0.1:{cmd.port}"
+            url = f"http://{cmd.host}:{cmd.port}"
             while time.monotonic() < deadline and proc.poll() is None:
                 try:
                     if httpx.get(url + cmd.health_path, timeout=2.0).status_code == 200:

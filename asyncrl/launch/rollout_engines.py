@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import torch
 
 from asyncrl.api import InferenceEngine, PolicyVersion, WeightUpdateKind, WeightUpdateMeta
+from asyncrl.launch.ray_config import RayConfig
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck
 
@@ -120,8 +121,10 @@ def _remove_older(weights_dir: Path, version: int) -> None:
 
 @contextlib.contextmanager
 def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_dir: Path,
-                         detokenize: Any = None, version: int = 0) -> Iterator[RolloutEngines]:
-    """`version`: of the weights in `model_dir` (a resumed checkpoint's)."""
+                         detokenize: Any = None, version: int = 0,
+                         ray_cfg: RayConfig | None = None) -> Iterator[RolloutEngines]:
+    """`version`: of the weights in `model_dir` (a resumed checkpoint's). `ray_cfg`: the servers
+    of mode local are Ray actors (`launcher: ray`), not processes of this machine."""
     weights_dir = log_dir.parent / "weights"  # disk sync only; created on first use
     if cfg.sync_kind == "nccl" and not torch.cuda.is_available():
         raise ValueError("inference.weight_sync='nccl' needs CUDA in the trainer process and "
@@ -149,28 +152,37 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
         if cfg.mode == "local":
             from asyncrl.launch.local_servers import LocalServers
 
-            served = str(model_dir)
+            served = str(Path(model_dir).resolve())  # a server may run elsewhere (Ray)
             if untie:
                 from asyncrl.models.export import untied_copy
 
                 served = str(untied_copy(model_dir, log_dir.parent / "served_model"))
             make = partial(_command, cfg, served)
-            servers = stack.enter_context(LocalServers(make, cfg.num_servers, log_dir,
-                                                       cfg.startup_timeout_s))
+            if ray_cfg is not None:  # placed by Ray, on whichever nodes have their resources
+                from asyncrl.launch.ray_servers import RayServers
+
+                servers = stack.enter_context(RayServers(make, cfg.num_servers, log_dir,
+                                                         cfg.startup_timeout_s, ray_cfg))
+            else:
+                servers = stack.enter_context(LocalServers(make, cfg.num_servers, log_dir,
+                                                           cfg.startup_timeout_s))
             remote_cfg = RemoteEngineConfig(addresses=servers.urls, api_key=servers.api_key,
                                             backend=cfg.server_backend)
         else:
             remote_cfg = cfg.remote
         engine = RemoteInferenceEngine(remote_cfg)
         stack.callback(engine.close)
+        if ray_cfg is not None and servers is not None:
+            stack.enter_context(servers.watching(engine))
         yield RolloutEngines(engine, cfg, remote=True, weights_dir=weights_dir,
                              urls=list(remote_cfg.addresses), untie=untie, servers=servers,
                              version=version)
 
 
-def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str) -> Any:
+def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str,
+             host: str = "127.0.0.1") -> Any:
     from asyncrl.launch.server_commands import server_command
 
     return server_command(cfg.server_backend, model_dir, python=cfg.server_python,
-                          engine=cfg.engine, api_key=api_key,
-                          extra_args=cfg.server_args, weight_transfer=cfg.sync_kind == "nccl")
+                          engine=cfg.engine, api_key=api_key, extra_args=cfg.server_args,
+                          weight_transfer=cfg.sync_kind == "nccl", host=host)

@@ -34,6 +34,7 @@ class ServerCommand:
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0  # 0: the server picks one and announces it on stdout (asyncrl)
     health_path: str = "/health"
+    host: str = "127.0.0.1"  # where it listens (a node's address when others must reach it)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,11 +54,11 @@ def _cuda_available() -> bool:
 def server_command(backend: str, model_dir: str, *, python: str | None = None,
                    engine: EngineSettings | None = None, api_key: str | None = None,
                    extra_args: list[str] | None = None,
-                   weight_transfer: bool = False) -> ServerCommand:
+                   weight_transfer: bool = False, host: str = "127.0.0.1") -> ServerCommand:
     """`engine`: the settings every backend gets; an asyncrl server takes all of them (as its
     `engine.*` options), vLLM and SGLang their max_num_seqs, dtype and num_threads.
     `weight_transfer`: weights will come by NCCL broadcast (vLLM must enable its engine for it;
-    `asyncrl serve` and SGLang always have the routes)."""
+    `asyncrl serve` and SGLang always have the routes). `host`: the address it listens on."""
     python = python or sys.executable
     extra = list(extra_args or [])
     engine = engine or EngineSettings()
@@ -70,12 +71,12 @@ def server_command(backend: str, model_dir: str, *, python: str | None = None,
         # the key travels in the environment, not argv (visible to every user in `ps`)
         env = {"ASYNCRL_SERVER_API_KEY": api_key} if api_key else {}
         return ServerCommand([python, "-m", "asyncrl.cli", "serve", "--model", model_dir,
-                              "--port", "0", *overrides, *extra], env)
-    port = free_port()
+                              "--host", host, "--port", "0", *overrides, *extra], env, host=host)
+    port = free_port(host)
     if backend == "vllm":
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key or ""}
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+                "--host", host, "--port", str(port), "--dtype", dtype,
                 "--max-num-seqs", str(max_num_seqs), "--logprobs-mode", "processed_logprobs",
                 "--generation-config", "vllm", "--disable-uvicorn-access-log"]
         if weight_transfer:
@@ -87,12 +88,12 @@ def server_command(backend: str, model_dir: str, *, python: str | None = None,
                 env["OMP_NUM_THREADS"] = str(num_threads)
         if not api_key:
             del env["VLLM_API_KEY"]
-        return ServerCommand(argv + extra, env, port)
+        return ServerCommand(argv + extra, env, port, host=host)
     if backend == "sglang":
         argv = [python, "-m", "sglang.launch_server", "--model-path", model_dir,
-                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+                "--host", host, "--port", str(port), "--dtype", dtype,
                 "--max-running-requests", str(max_num_seqs)]
         if api_key:
             argv += ["--api-key", api_key]
-        return ServerCommand(argv + extra, {}, port)
+        return ServerCommand(argv + extra, {}, port, host=host)
     raise ValueError(f"backend={backend!r} is not known; allowed asyncrl, vllm, sglang")

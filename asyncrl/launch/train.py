@@ -40,6 +40,7 @@ from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.devices import check_engine_placement
 from asyncrl.launch.devices import resolve as resolve_device
+from asyncrl.launch.ray_trainer import RANK_ENV, run_on_ray
 from asyncrl.launch.rollout_engines import open_rollout_engines
 from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
                                             load_loop_state)
@@ -182,6 +183,8 @@ class Trainer:
         """
         self.plugins = _Plugins(workflow, workflow_kwargs, eval_workflow, loss)
         self.resume = resume
+        if self.cfg.launcher == "ray" and not os.environ.get(RANK_ENV):
+            return run_on_ray(self)  # the driver: each rank actor runs `_run` below
         return self._run()
 
     # ---- the job --------------------------------------------------------------------------------
@@ -228,7 +231,8 @@ class Trainer:
             engines = stack.enter_context(open_rollout_engines(
                 cfg.inference, policy_dir, self.run_dir / "logs",
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                version=group.trainer.version.value))
+                version=group.trainer.version.value,
+                ray_cfg=cfg.ray if cfg.launcher == "ray" else None))
             rollout_cfg = cfg.rollout.model_copy(
                 update={"dump_dir": cfg.rollout.dump_dir or str(self.run_dir / "rollouts")})
             # the executor follows the version the engines serve (the trainer's, once pushed)

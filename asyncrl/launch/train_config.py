@@ -17,6 +17,7 @@ from asyncrl.data.dataset import DatasetConfig
 from asyncrl.inference.engine import EngineSettings
 from asyncrl.inference.remote import RemoteEngineConfig
 from asyncrl.rollout.answer_eval import EvalConfig
+from asyncrl.launch.ray_config import RayConfig
 from asyncrl.launch.run_logger import LoggingConfig
 from asyncrl.launch.sft import SFTRunConfig
 from asyncrl.launch.watchdog import WatchdogConfig
@@ -195,6 +196,10 @@ class TrainRunConfig(Config):
     output_dir: str | None = None  # None: runs/<UTC timestamp>
     seed: int = 0
     torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: all cores")
+    # local: this machine (torchrun for several ranks); ray: trainer ranks and (inference.mode
+    # local) rollout servers placed on a Ray cluster, `ray.*` (`asyncrl train --ray ADDRESS`)
+    launcher: Literal["local", "ray"] = "local"
+    ray: RayConfig = RayConfig()
 
     @classmethod
     def shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def test_the_remote_client_reads_each_servers_ranks(server):
 
     async def ranks():
         try:
-            return await engine._group_sync()._ranks(engine.pool.servers)
+            return await engine._weights._group_sync()._ranks(engine.pool.servers)
         finally:
             await engine.aclose()
 
