@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train_loop import _wait_for_step
 from train_helpers import processes_mentioning
 
 try:
@@ -94,18 +95,6 @@ def _steps(run: Path) -> list[dict]:
     return [m for m in map(json.loads, path.read_text().splitlines()) if "reward/mean" in m]
 
 
-def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(m["step"] >= step for m in _steps(run)):
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"train exited early ({proc.returncode}): {proc.stderr.read()[-4000:]}")
-        time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"no step {step} within {timeout}s")
-
-
 def _nodes(cluster: str) -> list[dict]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address=cluster, log_to_driver=False)
@@ -126,7 +115,7 @@ def _node_addresses(cluster: str) -> dict[str, str]:
 def test_ray_job_places_ranks_and_servers_and_survives_a_server_loss(cluster, tmp_path):
     run = tmp_path / "run"
     proc = _train(cluster, run, "total_steps=8", "checkpoint_every=4")
-    _wait_for_step(run, 2, proc)
+    _wait_for_step(run, 2, proc, timeout=300)
     placed = json.loads((run / "ray_placement.json").read_text())
     first_urls = [s["url"] for s in placed["servers"]]
     # a lost server: its actor's process dies (Ray starts the actor again, on a new port)
@@ -166,7 +155,7 @@ def test_ray_job_places_ranks_and_servers_and_survives_a_server_loss(cluster, tm
 def test_a_lost_trainer_rank_ends_the_job_with_a_checkpoint_that_resumes(cluster, tmp_path):
     run = tmp_path / "run"
     proc = _train(cluster, run, "total_steps=200", "checkpoint_every=2")
-    _wait_for_step(run, 3, proc)
+    _wait_for_step(run, 3, proc, timeout=300)
     rank1 = json.loads((run / "ray_placement.json").read_text())["trainer_ranks"][1]["pid"]
     os.kill(rank1, signal.SIGKILL)
     out, err = proc.communicate(timeout=300)  # ends, does not hang
