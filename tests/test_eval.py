@@ -394,3 +394,27 @@ def test_open_reward_names_dotted_paths_and_errors():
         with pytest.raises(UserError, match=words):
             with open_reward(bad):
                 pass
+
+
+def test_eval_job_runs_inside_a_running_event_loop(tmp_path):
+    """A notebook cell runs inside an event loop: `run_eval_job` used to call `asyncio.run`
+    there and fail ("cannot be called from a running event loop")."""
+    import asyncio
+    import io
+
+    from rich.console import Console
+
+    from asyncrl.launch.evaluate import run_eval_job
+    from asyncrl.rollout.answer_eval import EvalConfig
+
+    model = build_tiny_model(TINY, tmp_path / "m")
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(3)))
+
+    async def cell():
+        return run_eval_job(model, str(data), EvalConfig(max_new_tokens=3),
+                            console=Console(file=io.StringIO()), max_num_seqs=4)
+
+    result = asyncio.run(cell())
+    assert len(result.records) == 3

@@ -8,13 +8,14 @@ and prints a summary table.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -30,6 +31,8 @@ from asyncrl.errors import UserError
 from asyncrl.launch.run_checkpoints import find_policy_dir
 from asyncrl.reward.registry import open_reward
 from asyncrl.rollout.answer_eval import EvalConfig, EvalResult, evaluate
+
+T = TypeVar("T")
 
 FILE_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 BUILTIN_DATA = "arithmetic"
@@ -125,6 +128,18 @@ def _eval_engine(model_dir: Path, inference: Any, max_num_seqs: int, max_seq_len
             yield engines.engine, partial(engines.start_checks, 0)
 
 
+def run_to_completion(make: Callable[[], Awaitable[T]]) -> T:
+    """`asyncio.run(make())`, also from a thread whose event loop is running (a notebook cell,
+    an async caller): there the coroutine runs on a fresh loop in a worker thread, since
+    `asyncio.run` refuses to nest. The caller blocks either way (this is a sync API)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncrl-eval") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
 def run_eval_job(
     model_path: str | Path,
     data: str,
@@ -173,7 +188,7 @@ def run_eval_job(
                     engine, tokenizer, rows, reward_fn, cfg,
                     on_progress=lambda done, total: progress.update(task, completed=done))
 
-            result = asyncio.run(checked_eval())
+            result = run_to_completion(checked_eval)
     print_summary(console, result, "eval summary")
     if json_out is not None:
         payload = {"model": str(model_dir), "data": data, "reward": reward,
