@@ -252,12 +252,19 @@ def test_killed_server_mid_generation_loses_no_request(servers):
     engine = engine_for(servers.urls, max_retries=8, backoff_base_s=0.05, backoff_max_s=0.5)
     g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
 
+    def victim_busy() -> bool:
+        # its streams have delivered some tokens (vLLM's own metrics lag: not those) and some
+        # of its requests are still running (a stream may deliver in bursts under load: a
+        # server seen only at its end is not killed mid-generation)
+        victim = engine.stats()["servers"][1]
+        return victim["tokens"] >= 200 and victim["in_flight"] >= 1
+
     async def run():
         tasks = [asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid=f"k-{i}")))
                  for i in range(16)]  # 8 per server: seconds of work for each
         deadline = time.monotonic() + 120
-        while engine.stats()["servers"][1]["tokens"] < 200:  # its streams have delivered some
-            assert time.monotonic() < deadline, engine.stats()  # (vLLM's metrics lag: not those)
+        while not victim_busy():
+            assert time.monotonic() < deadline, engine.stats()
             await asyncio.sleep(0.01)
         servers.kill(1)
         out = await asyncio.gather(*tasks)
@@ -268,7 +275,7 @@ def test_killed_server_mid_generation_loses_no_request(servers):
     responses, stats = asyncio.run(run())
     assert all(len(r.output_tokens) == 1000 for r in responses), [len(r.output_tokens)
                                                                   for r in responses]
-    assert stats["failed_calls"] >= 1  # some requests really were on the killed server
+    assert stats.get("failed_calls", 0) >= 1, stats  # some were really on the killed server
     # their streams had delivered tokens; those were kept and continued on the other server
     assert stats["tokens_kept_from_failed_calls"] >= 1
     assert stats["servers"][1]["health"] == "unhealthy"
