@@ -114,7 +114,8 @@ def _node_addresses(cluster: str) -> dict[str, str]:
 
 def test_ray_job_places_ranks_and_servers_and_survives_a_server_loss(cluster, tmp_path):
     run = tmp_path / "run"
-    proc = _train(cluster, run, "total_steps=8", "checkpoint_every=4")
+    total = 40  # room for the restart (a new worker and server: seconds) within the run
+    proc = _train(cluster, run, f"total_steps={total}", "checkpoint_every=20")
     _wait_for_step(run, 2, proc, timeout=300)
     placed = json.loads((run / "ray_placement.json").read_text())
     first_urls = [s["url"] for s in placed["servers"]]
@@ -122,10 +123,18 @@ def test_ray_job_places_ranks_and_servers_and_survives_a_server_loss(cluster, tm
     victim = processes_mentioning("ray::ServerActor")
     assert len(victim) == 2, victim
     os.kill(victim[0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        urls = [s["url"] for s in json.loads((run / "ray_placement.json").read_text())["servers"]]
+        if urls != first_urls:
+            break  # rank 0 saw the restarted server and gave its address to the client
+        time.sleep(0.2)
+    moved_at = max((m["step"] for m in _steps(run)), default=0)
+    assert moved_at < total, "the run ended before the restarted server was handed back"
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     steps = _steps(run)
-    assert [m["policy/version"] for m in steps] == [float(v) for v in range(1, 9)]
+    assert [m["policy/version"] for m in steps] == [float(v) for v in range(1, total + 1)]
     # nothing lost: no episode failed, every step trained on a full batch
     assert all(m["batch/samples"] == 16.0 for m in steps)
     assert steps[-1]["rollout/failed"] == 0.0
