@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from asyncrl.errors import JobFailed, UserError
 
@@ -28,6 +29,8 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     if bad:
         raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
     cfg = SFTRunConfig.load(path, overrides)
+    if ns.print_config:
+        return _print_config(cfg)
     result = run_sft_job(cfg, force=ns.force)
     print(f"model_dir={result.model_dir} eval_accuracy={result.eval_accuracy:.4f} "
           f"train_seconds={result.train_seconds:.1f} cached={result.cached}")
@@ -43,7 +46,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if bad:
         raise UserError(f"expected key.sub=value overrides, got {bad}")
     api_key = ns.api_key or os.environ.get("ASYNCRL_SERVER_API_KEY")
-    serve(server_config_from_args(ns.model, ns.port, ns.host, api_key, ns.overrides))
+    chat = [f"{key}={value}" for key, value in (("tool_parser", ns.tool_parser),
+                                                ("reasoning_parser", ns.reasoning_parser),
+                                                ("chat_template_kwargs", ns.chat_template_kwargs))
+            if value is not None]  # a JSON object is valid YAML, which overrides parse
+    serve(server_config_from_args(ns.model, ns.port, ns.host, api_key, chat + ns.overrides,
+                                  trust_remote_code=ns.trust_remote_code))
     return 0
 
 
@@ -53,15 +61,17 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
     from asyncrl.launch.evaluate import parse_k_list, run_eval_job
+    from asyncrl.reward.config import reward_spec_from_cli
     from asyncrl.rollout.answer_eval import EvalConfig
 
     given = {"pass_k": parse_k_list(ns.k, "--k") if ns.k is not None else None,
              "num_samples": ns.num_samples, "temperature": ns.temperature,
              "max_new_tokens": ns.max_new_tokens}
     cfg = EvalConfig.from_dict({k: v for k, v in given.items() if v is not None}, "options")
-    run_eval_job(ns.checkpoint, ns.data, cfg, reward=ns.reward, limit=ns.limit,
+    reward = reward_spec_from_cli(ns.reward)  # before any model loads: a typo fails at once
+    run_eval_job(ns.checkpoint, ns.data, cfg, reward=reward, limit=ns.limit,
                  json_out=Path(ns.json) if ns.json else None, console=Console(),
-                 inference=_eval_inference(ns))
+                 inference=_eval_inference(ns), trust_remote_code=ns.trust_remote_code)
     return 0
 
 
@@ -100,10 +110,19 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg = load_run_config(ns.resume, overrides)
     else:
         cfg = TrainRunConfig.load(path, overrides)
+    if ns.print_config:
+        return _print_config(cfg)
     result = Trainer(cfg, run_dir=ns.resume).train(resume=bool(ns.resume))
     if os.environ.get("WORLD_SIZE", "1") != "1":
         _report_and_exit(result)  # torchrun workers skip interpreter teardown
     return _report(result)
+
+
+def _print_config(cfg) -> int:
+    from asyncrl.config_docs import format_config
+
+    print(format_config(cfg))
+    return 0
 
 
 def _report(result) -> int:
@@ -150,37 +169,49 @@ def cmd_build_model(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sft = sub.add_parser("sft", help="SFT warm start of the tiny model on the synthetic task")
-    sft.add_argument("args", nargs="*", metavar="CONFIG|key=value",
-                     help="optional YAML config, then dotted overrides like sft.steps=100")
-    sft.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
-    sft.set_defaults(func=cmd_sft)
-    tr = sub.add_parser("train", help="asynchronous RL (GRPO/PPO) on a task; the main job")
-    tr.add_argument("args", nargs="*", metavar="CONFIG|key=value",
-                    help="optional YAML config, then dotted overrides like rollout.batch_size=32")
-    tr.add_argument("--resume", metavar="RUN_DIR", default=None,
-                    help="continue a stopped run from its latest checkpoint")
-    tr.add_argument("--ray", metavar="ADDRESS", default=None,
-                    help="run on a Ray cluster (launcher=ray): 'auto' (the cluster this machine "
-                         "joined), HOST:PORT of its head, or 'local' (a Ray started for this "
-                         "job); see the ray.* settings")
-    tr.set_defaults(func=cmd_train)
+PRINT_CONFIG_HELP = ("print every field of the config (with the file and overrides applied): "
+                     "its value, its default and what it means; then exit")
+
+
+TRUST_HELP = ("allow the model directory's own Python code (config.json auto_map), as "
+              "transformers' trust_remote_code")
+
+
+def _add_serve_parser(sub: Any) -> None:
     srv = sub.add_parser("serve", help="serve a model with the built-in engine over HTTP")
-    srv.add_argument("--model", required=True, help="local HF model directory")
+    srv.add_argument("--model", required=True,
+                     help="local HF model directory, or a hub id (org/name) from the HF cache")
+    srv.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     srv.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--api-key", default=None,
                      help="bearer token every route but /health, /version and /metrics needs "
                           "(or ASYNCRL_SERVER_API_KEY)")
+    # vLLM's flag names, so a launch script moves between the two servers unchanged
+    srv.add_argument("--tool-parser", "--tool-call-parser", dest="tool_parser", default=None,
+                     help="tool-call format of the model: hermes (default), llama3_json, "
+                          "pythonic")
+    srv.add_argument("--reasoning-parser", default=None,
+                     help="split <think> reasoning into reasoning_content: none (default), "
+                          "deepseek_r1, qwen3")
+    srv.add_argument("--default-chat-template-kwargs", dest="chat_template_kwargs",
+                     default=None, metavar="JSON",
+                     help="chat template variables, e.g. '{\"enable_thinking\": false}'; a "
+                          "request's chat_template_kwargs override them")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM compatibility: tool calls are always parsed when "
+                          "a request has tools")
     srv.add_argument("overrides", nargs="*", metavar="key=value",
                      help="ServerConfig overrides, e.g. engine.max_num_seqs=128 engine.dtype=bfloat16")
     srv.set_defaults(func=cmd_serve)
+
+
+def _add_eval_parser(sub: Any) -> None:
     ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint")
     ev.add_argument("checkpoint", metavar="CHECKPOINT",
-                    help="HF model dir, checkpoint dir (policy/) or run dir (checkpoints/)")
+                    help="HF model dir, checkpoint dir (policy/), run dir (checkpoints/) or "
+                         "hub id (org/name) from the HF cache")
+    ev.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     ev.add_argument("--data", required=True, metavar="FILE",
                     help="JSONL/parquet file (every row is scored), or 'arithmetic' for the "
                          "built-in task's held-out split")
@@ -194,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None, metavar="N",
                     help="score only the first N rows")
     ev.add_argument("--reward", default="exact",
-                    help="exact | math | package.module:function (reward(completion, row))")
+                    help="exact | digits | math | code | package.module:function | "
+                         "trl:package.module:function | a YAML file or inline mapping "
+                         "('{kind: judge, base_url: ..., model: ...}')")
     ev.add_argument("--json", default=None, metavar="OUT",
                     help="write the summary and per-problem records here")
     ev.add_argument("--backend", default="builtin",
@@ -206,6 +239,30 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--server-python", default=None, metavar="PYTHON",
                     help="the interpreter that has vLLM/SGLang installed (default: this one)")
     ev.set_defaults(func=cmd_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sft = sub.add_parser("sft", help="SFT warm start of the tiny model on the synthetic task")
+    sft.add_argument("args", nargs="*", metavar="CONFIG|key=value",
+                     help="optional YAML config, then dotted overrides like sft.steps=100")
+    sft.add_argument("--force", action="store_true", help="retrain even if a cached result exists")
+    sft.add_argument("--print-config", action="store_true", help=PRINT_CONFIG_HELP)
+    sft.set_defaults(func=cmd_sft)
+    tr = sub.add_parser("train", help="asynchronous RL (GRPO/PPO) on a task; the main job")
+    tr.add_argument("args", nargs="*", metavar="CONFIG|key=value",
+                    help="optional YAML config, then dotted overrides like rollout.batch_size=32")
+    tr.add_argument("--print-config", action="store_true", help=PRINT_CONFIG_HELP)
+    tr.add_argument("--resume", metavar="RUN_DIR", default=None,
+                    help="continue a stopped run from its latest checkpoint")
+    tr.add_argument("--ray", metavar="ADDRESS", default=None,
+                    help="run on a Ray cluster (launcher=ray): 'auto' (the cluster this machine "
+                         "joined), HOST:PORT of its head, or 'local' (a Ray started for this "
+                         "job); see the ray.* settings")
+    tr.set_defaults(func=cmd_train)
+    _add_serve_parser(sub)
+    _add_eval_parser(sub)
     bm = sub.add_parser("build-model", help="build a random-init model of a preset shape "
                         "(tiny, qwen2.5-0.5b, qwen2.5-1.5b) as a HF directory")
     bm.add_argument("out_dir", nargs="?", default=None, metavar="OUT_DIR",

@@ -403,7 +403,7 @@ def test_union_rejects_unknown_kind():
     with pytest.raises(ConfigError) as err:
         parse_dataset_config({"kind": "foo"}, "run.yaml: data")
     assert str(err.value) == ("run.yaml: data: kind='foo': unknown dataset kind; "
-                              "allowed: arithmetic, gsm8k, jsonl, parquet")
+                              "allowed: arithmetic, gsm8k, jsonl, parquet, hf")
     with pytest.raises(ConfigError, match="kind=3: unknown dataset kind"):
         load_dataset_from_config({"kind": 3})
     with pytest.raises(ConfigError, match="Unable to extract tag"):
@@ -415,10 +415,10 @@ def test_missing_kind_means_the_default_arithmetic_task():
     cfg = RunCfg.load(None, ["data.num_train=20", "data.digits=1"])
     assert isinstance(cfg.data, ArithmeticTaskConfig) and cfg.data.num_train == 20
     assert len(load_dataset_from_config({"num_train": 7, "num_eval": 2}).train_rows()) == 7
-    assert set(CONFIG_BY_KIND) == {"arithmetic", "gsm8k", "jsonl", "parquet"}
+    assert set(CONFIG_BY_KIND) == {"arithmetic", "gsm8k", "jsonl", "parquet", "hf"}
+    where = {"arithmetic": {}, "hf": {"name": "org/p"}}
     for kind, cls in CONFIG_BY_KIND.items():  # the union's tags agree with the classes' kinds
-        member = RunCfg.from_dict({"data": {"kind": kind, "path": "p"}} if kind != "arithmetic"
-                                  else {"data": {"kind": kind}}).data
+        member = RunCfg.from_dict({"data": {"kind": kind, **where.get(kind, {"path": "p"})}}).data
         assert type(member) is cls
 
 

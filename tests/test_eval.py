@@ -388,7 +388,8 @@ def test_open_reward_names_dotted_paths_and_errors():
     with open_reward("exact") as reward:
         assert reward("the answer is 12", {"answer": "12"}) == 1.0
     with open_reward("asyncrl.reward.exact:exact_answer_reward") as reward:
-        assert reward("12", "12") == 1.0
+        # a user's sync function comes back wrapped to run on a thread pool: awaited
+        assert asyncio.run(reward("12", "12")) == 1.0
     for bad, words in (("nope", "allowed: exact, digits, math"), ("no_such_mod:f", "cannot import"),
                        ("asyncrl.reward.exact:missing", "has no 'missing'")):
         with pytest.raises(UserError, match=words):

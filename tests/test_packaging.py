@@ -28,3 +28,17 @@ def test_wheel_carries_kernels_marker_and_license(tmp_path):
     assert all(f"asyncrl/inference/csrc/{name}" in names for name in sources)
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith("/LICENSE")
                for n in names), names[-10:]
+
+
+def test_top_level_names_resolve_and_import_asyncrl_stays_light():
+    """Every name `from asyncrl import ...` offers exists; importing the package itself pulls in
+    neither torch nor transformers (the names load on first use)."""
+    code = ("import sys, asyncrl\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+            "missing = [n for n in asyncrl.__all__ if getattr(asyncrl, n, None) is None]\n"
+            "assert missing == [], missing\n"
+            "from asyncrl import Trainer, run_eval_job, open_reward, AgentWorkflow\n"
+            "print(len(asyncrl.__all__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr

@@ -32,16 +32,17 @@ class StopReason(str, Enum):
 class GenerationConfig:
     """Sampling parameters of one request (per sample when n_samples > 1)."""
 
-    n_samples: int = 1
-    max_new_tokens: int = 256
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n_samples: int = 1  # samples per prompt (a GRPO group)
+    max_new_tokens: int = 256  # generation limit in tokens
+    min_new_tokens: int = 0  # stop tokens are masked until this many were generated
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_p: float = 1.0  # nucleus sampling mass; 1 keeps every token
     top_k: int = 0  # 0 disables top-k
-    greedy: bool = False
+    greedy: bool = False  # argmax decoding
+    # generation ends at any of these (EOS is added by the workflows)
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings
-    seed: int | None = None
+    seed: int | None = None  # per-request sampling seed; None: the engine's generator
 
     # Lets pydantic-based component configs embed this dataclass with unknown keys rejected.
     __pydantic_config__ = {"extra": "forbid"}

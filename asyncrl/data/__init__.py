@@ -1,7 +1,8 @@
 """Datasets and synthetic tasks: every loader returns plain-dict rows with the same keys.
 
 Row: {"id", "question", "answer" (exact final answer), "messages" (chat prompt), ...extras}.
-Sources: the synthetic arithmetic task, GSM8K-format JSONL, and generic local JSONL/parquet; pick
+Sources: the synthetic arithmetic task, GSM8K-format JSONL, generic local JSONL/parquet, and
+anything `datasets.load_dataset` reads (`kind: hf`: hub ids from the HF cache, local dirs); pick
 one with a `DatasetConfig` (discriminated on `kind`) and call `.build()`.
 """
 
@@ -10,10 +11,12 @@ from asyncrl.data.dataset import (DatasetConfig, TaskDataset, load_dataset_from_
                                   parse_dataset_config)
 from asyncrl.data.files import FileDataset, FileDatasetConfig
 from asyncrl.data.gsm8k import GSM8KConfig, GSM8KDataset
+from asyncrl.data.hf import HFDataset, HFDatasetConfig
 from asyncrl.data.split import DatasetError, Row, deterministic_split
 
 __all__ = [
     "ArithmeticTask", "ArithmeticTaskConfig", "DatasetConfig", "DatasetError", "FileDataset",
-    "FileDatasetConfig", "GSM8KConfig", "GSM8KDataset", "Row", "TaskDataset",
+    "FileDatasetConfig", "GSM8KConfig", "GSM8KDataset", "HFDataset", "HFDatasetConfig", "Row",
+    "TaskDataset",
     "deterministic_split", "load_dataset_from_config", "parse_dataset_config",
 ]

@@ -29,17 +29,19 @@ ENUMERATE_LIMIT = 200_000
 
 
 class ArithmeticTaskConfig(Config):
+    # the synthetic task: arithmetic expressions with a numeric answer
     kind: Literal["arithmetic"] = "arithmetic"
     digits: int = pydantic.Field(2, ge=1, le=6, description="max digits per operand")
-    num_operands: int = pydantic.Field(2, ge=2, le=4)
+    num_operands: int = pydantic.Field(2, ge=2, le=4)  # numbers per expression
+    # drawn uniformly per position
     operators: list[Operator] = pydantic.Field(default_factory=lambda: ["+"], min_length=1)
     allow_negative: bool = pydantic.Field(
         False, description="False: redraw problems whose running result goes below zero")
     # 9000, not more: the defaults must fit the 10,000 distinct 2-digit sums, eval included.
     num_train: int = pydantic.Field(9000, ge=0)
-    num_eval: int = pydantic.Field(500, ge=0)
-    seed: int = 0
-    prompt_template: str = "{expr}="
+    num_eval: int = pydantic.Field(500, ge=0)  # held-out problems, never trained on
+    seed: int = 0  # the problems drawn (train and eval)
+    prompt_template: str = "{expr}="  # the user message; {expr} is the expression
 
     @pydantic.field_validator("operators")
     @classmethod

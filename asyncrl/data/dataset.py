@@ -16,6 +16,7 @@ from asyncrl.config import ConfigError
 from asyncrl.data.arithmetic import ArithmeticTaskConfig
 from asyncrl.data.files import FileDatasetConfig
 from asyncrl.data.gsm8k import GSM8KConfig
+from asyncrl.data.hf import HFDatasetConfig
 from asyncrl.data.split import Row
 
 
@@ -27,7 +28,7 @@ class TaskDataset(Protocol):
     def eval_rows(self) -> list[Row]: ...
 
 
-DATASET_CONFIGS = (ArithmeticTaskConfig, GSM8KConfig, FileDatasetConfig)
+DATASET_CONFIGS = (ArithmeticTaskConfig, GSM8KConfig, FileDatasetConfig, HFDatasetConfig)
 
 # kind -> config class, read off the `kind` Literals so it cannot drift from the classes.
 CONFIG_BY_KIND: dict[str, type] = {
@@ -52,6 +53,7 @@ DatasetConfig = Annotated[
         Annotated[GSM8KConfig, pydantic.Tag("gsm8k")],
         Annotated[FileDatasetConfig, pydantic.Tag("jsonl")],
         Annotated[FileDatasetConfig, pydantic.Tag("parquet")],
+        Annotated[HFDatasetConfig, pydantic.Tag("hf")],
     ],
     pydantic.Discriminator(dataset_kind),
 ]

@@ -25,13 +25,13 @@ COMMA_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 class LocalFileSource(Config):
     """Fields shared by datasets read from local files: where, the held-out part, the prompt."""
 
-    path: str
+    path: str  # the local data file
     eval_path: str | None = pydantic.Field(
         None, description="held-out file; None: hold out eval_fraction of `path`")
     eval_fraction: float = pydantic.Field(0.1, ge=0, le=1,
                                           description="ignored when eval_path is set")
-    seed: int = 0
-    prompt_template: str = "{question}"
+    seed: int = 0  # of the eval_fraction hold-out
+    prompt_template: str = "{question}"  # the user message; {question}: the row's question
 
     @pydantic.field_validator("prompt_template")
     @classmethod
@@ -40,7 +40,8 @@ class LocalFileSource(Config):
 
 
 class GSM8KConfig(LocalFileSource):
-    kind: Literal["gsm8k"] = "gsm8k"
+    kind: Literal["gsm8k"] = "gsm8k"  # GSM8K-format JSONL ("#### N" answers)
+    # the user message; {question} is replaced by the row's question
     prompt_template: str = "{question}\nPut the final answer after ####."
 
     def build(self) -> GSM8KDataset:

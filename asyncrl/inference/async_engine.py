@@ -84,6 +84,7 @@ class AsyncLLMEngine:
         self._closed = False
         self._interrupted = False  # `interrupt`: new requests return at once, empty
         self._error: BaseException | None = None
+        self._merger: Any = None  # LoRA: base copies of the adapted weights, made on first use
         self._thread = threading.Thread(target=self._run, name="asyncrl-engine", daemon=True)
         self._thread.start()
 
@@ -157,8 +158,16 @@ class AsyncLLMEngine:
         """Load new weights and set the version to `meta.version` between two steps.
 
         DISK reads `meta.path` on a worker thread (the engine keeps generating meanwhile);
-        TENSORS takes `weights` in memory (HF parameter names).
+        TENSORS takes `weights` in memory (HF parameter names). With `meta.lora` the path or
+        the tensors are a PEFT adapter, merged into the base model's weights on a worker thread
+        (models/lora.py); only the adapted weights are then swapped in.
         """
+        if meta.lora:
+            merged = await asyncio.to_thread(self._merge_adapter, meta, weights)
+            update = self.engine.update_weights_from_state_dict
+            await asyncio.wrap_future(self._submit(
+                lambda: update(merged, meta.version, strict=False)))
+            return
         if meta.kind == WeightUpdateKind.DISK:
             weights = await asyncio.to_thread(lambda: list(iter_safetensors(meta.path)))
         elif meta.kind == WeightUpdateKind.TENSORS:
@@ -171,6 +180,22 @@ class AsyncLLMEngine:
             )
         update = self.engine.update_weights_from_state_dict
         await asyncio.wrap_future(self._submit(lambda: update(weights, meta.version)))
+
+    def _merge_adapter(self, meta: WeightUpdateMeta, adapter: Mapping[str, torch.Tensor] | None
+                       ) -> dict[str, torch.Tensor]:
+        """The adapted weights of the engine's base model (the one it was started from)."""
+        from asyncrl.models.lora import AdapterMerger, read_adapter_dir
+
+        if meta.kind == WeightUpdateKind.DISK:
+            adapter, scale = read_adapter_dir(meta.path)
+        elif meta.kind == WeightUpdateKind.TENSORS and adapter is not None:
+            scale = meta.lora_scale
+        else:
+            raise ValueError(f"update_weights(lora=True, kind={meta.kind.value!r}) needs a disk "
+                             "path or the adapter tensors; allowed kinds: disk, tensors")
+        if self._merger is None:
+            self._merger = AdapterMerger(self.engine.config.model_path)
+        return self._merger.merge(adapter, scale)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()  # plain counters: a racy read is fine for monitoring

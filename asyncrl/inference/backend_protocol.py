@@ -27,6 +27,9 @@ class HttpCall:
     path: str
     json: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
+    # a 404 answer means what the call removes is already gone (e.g. an adapter unload on a
+    # restarted server): the call succeeded
+    missing_ok: bool = False
 
 
 @dataclass
@@ -156,6 +159,12 @@ class Backend(Protocol):
     def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
         """The calls, in order, that make the server load `path` and report `version`; empty
         when it has no HTTP endpoint that loads weights from a directory."""
+
+    def lora_update_calls(self, path: str, version: int, keep_versions: int) -> list[HttpCall]:
+        """The calls, in order, that make the server apply the PEFT adapter directory `path`
+        (adapter_config.json + adapter_model.safetensors) to its base model and serve it as
+        `version`, keeping the adapters of the last `keep_versions` versions usable by requests
+        still in flight; raises ValueError naming the backend when it cannot."""
 
     def server_checks(self) -> list[ServerCheck]:
         """What must hold before the server is used (version, routes, logprobs mode)."""

@@ -110,6 +110,11 @@ class AsyncrlBackend:
     def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
         return [HttpCall("POST", "/update_weights", json={"path": path, "version": version})]
 
+    def lora_update_calls(self, path: str, version: int, keep_versions: int) -> list[HttpCall]:
+        # the server merges the adapter into its weights (one version at a time, like full
+        # weights: requests in flight continue under the new one), so keep_versions is moot
+        return [HttpCall("POST", "/update_weights/lora", json={"path": path, "version": version})]
+
     def join_group_call(self, join: GroupJoin) -> HttpCall:
         return HttpCall("POST", "/weights/join_group", json=join_body(join))
 

@@ -57,6 +57,9 @@ class EngineSettings(Config):
     # optimizer state and activations grow after the engine is built.
     gpu_memory_fraction: float = pydantic.Field(0.4, gt=0, le=1)
     backend: Literal["auto", "native", "hf"] = "auto"  # auto: native if the arch is supported
+    # the model's own code (HF auto_map) may run: the hf backend of a custom architecture,
+    # and vLLM/SGLang servers get --trust-remote-code (a job sets it from model.trust_remote_code)
+    trust_remote_code: bool = False
     fast_matmuls: bool = True  # native on CPU: prepacked weights with fused epilogues
     # native on CPU: C++ attention, RMSNorm and (fp32, with fast_matmuls) matmuls, compiled on
     # first use; the torch / oneDNN path when they cannot be built
@@ -139,7 +142,7 @@ class LLMEngine:
         num_slots = self._num_slots(hf_config, dtype)
         self.runner = load_runner(
             config.model_path, config.backend, num_slots, self.max_seq_len, dtype, hf_config,
-            self.device, config.fast_matmuls, config.cpu_kernels,
+            self.device, config.fast_matmuls, config.cpu_kernels, config.trust_remote_code,
         )
         self.vocab_size = self.runner.vocab_size
         eos = [] if config.ignore_eos else read_eos_ids(config.model_path, hf_config)

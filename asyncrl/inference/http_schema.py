@@ -266,6 +266,9 @@ class ChatCompletionBody(OpenAISampling):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
+    # vLLM's extension: chat template variables (Qwen3's enable_thinking) for this request,
+    # laid over the server's configured ones
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @pydantic.model_validator(mode="after")
     def _supported(self) -> ChatCompletionBody:

@@ -54,14 +54,17 @@ def read_eos_ids(path: str | Path, hf_config: Mapping) -> list[int]:
 
 
 def iter_safetensors(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from one .safetensors file or every shard in a directory.
+    """(name, tensor) pairs from one .safetensors file or a model directory's weight files (the
+    shards its model.safetensors.index.json names, else model.safetensors: `weight_files`).
 
     A path that is not readable safetensors raises ValueError naming it (the path is the
     caller's input: over HTTP, a 400)."""
     from safetensors import SafetensorError, safe_open
 
+    from asyncrl.models.export import weight_files
+
     p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    files = weight_files(p) if p.is_dir() else [p]
     if not files or not files[0].is_file():
         raise ValueError(f"no .safetensors weights at {str(p)!r}")
     for file in files:
@@ -132,12 +135,17 @@ class HFModelRunner:
     """Fallback: the transformers model recomputes each sequence from scratch every step."""
 
     def __init__(
-        self, path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+        self, path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+        trust_remote_code: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        from asyncrl.models.loading import check_remote_code
+
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        check_remote_code(Path(path), trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                                     trust_remote_code=trust_remote_code)
         self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
@@ -179,12 +187,12 @@ class HFModelRunner:
 def load_runner(
     path: str | Path, backend: str, num_slots: int, max_seq_len: int, dtype: torch.dtype,
     hf_config: Mapping, device: torch.device | str = "cpu", fast_matmuls: bool = True,
-    cpu_kernels: bool = True,
+    cpu_kernels: bool = True, trust_remote_code: bool = False,
 ) -> Runner:
     """`backend`: "native" (compact model, error if unsupported), "hf", or "auto"."""
     reason = unsupported_reason(hf_config)
     if backend == "hf" or (backend == "auto" and reason):
-        return HFModelRunner(path, dtype, device)
+        return HFModelRunner(path, dtype, device, trust_remote_code)
     if reason:
         raise ValueError(f"backend='native' cannot run {str(path)!r}: {reason}; use backend='auto'")
     args = LlamaArgs.from_hf_config(hf_config)

@@ -4,6 +4,11 @@ Each of the `n` choices of each prompt is one engine request (the engine returns
 request), run concurrently. Text is decoded from the exact sampled ids; a stop string ends the
 text before it, as OpenAI does, while the ids keep every sampled token. Streaming holds back the
 last few characters until it knows they do not start a stop string.
+
+Chat replies are read with the server's chat options (models/chat_options.py): `<think>`
+reasoning comes back as `reasoning_content`, tool calls in the model's format (`--tool-parser`)
+as `tool_calls`. A streamed chat that needs either is generated whole and then replayed as
+chunks (`replay_chat`): a reasoning or tool-call boundary is only known once the text is there.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,9 +26,11 @@ from fastapi.responses import StreamingResponse
 from asyncrl.api import GenerationConfig, ModelRequest, ModelResponse, StopReason
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody
 from asyncrl.models.chat import encode_chat_prompt
+from asyncrl.models.chat_options import ChatOptions
 
 FINISH = {StopReason.STOP: "stop", StopReason.LENGTH: "length", StopReason.ABORT: "abort",
           StopReason.TOOL_CALLS: "tool_calls"}
+STREAM_PIECE = 16  # characters of content per replayed chunk
 
 
 class TextTracker:
@@ -60,6 +67,8 @@ class OpenAIRoutes:
     def __init__(self, engine: Any, tokenizer: Any, cfg: Any, metrics: Any) -> None:
         self.engine, self.tokenizer, self.cfg, self.metrics = engine, tokenizer, cfg, metrics
         self.max_len = engine.engine.max_seq_len
+        # ServerConfig carries the chat options; a bare config object means the defaults
+        self.chat_options = cfg if isinstance(cfg, ChatOptions) else ChatOptions()
 
     def register(self, app: FastAPI) -> None:
         app.get("/v1/models")(self.models)
@@ -139,11 +148,14 @@ class OpenAIRoutes:
         return {**head, "choices": choices, "usage": usage(prompts, outs)}
 
     async def chat(self, body: ChatCompletionBody):
-        prompt = encode_chat_prompt(self.tokenizer, body.message_dicts(), tools=body.tool_dicts())
+        template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
+        prompt = encode_chat_prompt(self.tokenizer, body.message_dicts(), body.tool_dicts(),
+                                    template_kwargs)
         reqs = self.requests([prompt], body, body.requested_max_tokens())
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.cfg.model_name}
         stops = reqs[0].gconfig.stop
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
 
         def chunk(i: int, text: str, tok: Any, fin: str | None) -> dict:
             delta = {"role": "assistant", "content": text} if text or fin is None else {}
@@ -151,18 +163,27 @@ class OpenAIRoutes:
             return {**head, "object": "chat.completion.chunk",
                     "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": fin}]}
 
-        if body.stream:
+        if body.stream and not parse_tools and self.chat_options.reasoning is None:
             tail = (usage_chunk(head, "chat.completion.chunk", [prompt]) if body.stream_usage()
                     else None)
             return StreamingResponse(self.stream(reqs, stops, chunk, tail),
                                      media_type="text/event-stream")
         outs = await self.run_all(reqs)
-        choices = [{"index": i,
-                    "message": {"role": "assistant", "content": self.final_text(o, stops)},
-                    "logprobs": {"content": self.chat_logprobs(o)} if body.logprobs else None,
-                    "finish_reason": FINISH[o.stop_reason]} for i, o in enumerate(outs)]
-        return {**head, "object": "chat.completion", "choices": choices,
-                "usage": usage([prompt], outs)}
+        choices = []
+        for i, o in enumerate(outs):
+            reply = self.chat_options.read_reply(self.final_text(o, stops), parse_tools,
+                                                 template_kwargs)
+            choices.append({"index": i, "message": reply.message(),
+                            "logprobs": {"content": self.chat_logprobs(o)} if body.logprobs
+                            else None,
+                            "finish_reason": "tool_calls" if reply.tool_calls
+                            else FINISH[o.stop_reason]})
+        result = {**head, "object": "chat.completion", "choices": choices,
+                  "usage": usage([prompt], outs)}
+        if body.stream:
+            return StreamingResponse(replay_chat(result, body.stream_usage()),
+                                     media_type="text/event-stream")
+        return result
 
     # ---- formatting ------------------------------------------------------------------------
 
@@ -223,6 +244,33 @@ class OpenAIRoutes:
         finally:
             for t in tasks:
                 t.cancel()
+
+
+def replay_chat(reply: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    """A finished chat completion as OpenAI `chat.completion.chunk` events, then [DONE]."""
+    head = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
+            "model": reply["model"]}
+
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
+        return sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]})
+
+    for choice in reply["choices"]:
+        i, msg = choice["index"], choice["message"]
+        yield chunk(i, {"role": "assistant", "content": ""})
+        reasoning = msg.get("reasoning_content") or ""
+        for start in range(0, len(reasoning), STREAM_PIECE):
+            piece = reasoning[start:start + STREAM_PIECE]
+            yield chunk(i, {"reasoning_content": piece, "reasoning": piece})
+        content = msg.get("content") or ""
+        for start in range(0, len(content), STREAM_PIECE):
+            yield chunk(i, {"content": content[start:start + STREAM_PIECE]})
+        for j, call in enumerate(msg.get("tool_calls") or []):
+            yield chunk(i, {"tool_calls": [{"index": j, **call}]})
+        yield chunk(i, {}, choice["finish_reason"], choice["logprobs"])
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": reply["usage"]})
+    yield "data: [DONE]\n\n"
 
 
 def usage(prompts: list[list[int]], outs: list[ModelResponse]) -> dict:

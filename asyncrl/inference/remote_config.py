@@ -11,15 +11,18 @@ from asyncrl.config import Config
 
 class RemoteEngineConfig(Config):
     addresses: list[str] = pydantic.Field(min_length=1)  # base URLs, e.g. http://10.0.0.5:8000
+    # the servers' kind (their routes and reply shapes)
     backend: Literal["asyncrl", "vllm", "sglang"] = "asyncrl"
     model: str | None = None  # vLLM: the served model name, when the server needs one
+    # how requests are spread over the servers
     routing: Literal["round_robin", "least_loaded"] = "round_robin"
     request_timeout_s: float = pydantic.Field(600.0, gt=0)  # one generation call
-    connect_timeout_s: float = pydantic.Field(5.0, gt=0)
+    connect_timeout_s: float = pydantic.Field(5.0, gt=0)  # TCP connect timeout of one call
     control_timeout_s: float = pydantic.Field(300.0, gt=0)  # pause/resume/weight updates
     max_retries: int = pydantic.Field(5, ge=0)  # retries after consecutive failed calls
+    # first retry delay of a failed call, doubled per retry
     backoff_base_s: float = pydantic.Field(0.2, ge=0)
-    backoff_max_s: float = pydantic.Field(5.0, ge=0)
+    backoff_max_s: float = pydantic.Field(5.0, ge=0)  # longest retry delay
     health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
     max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
     # weight_sync nccl/gloo: ranks each server takes in the weight group (asyncrl serve: 1;

@@ -40,6 +40,8 @@ def reply_body(server: ServerState, call: HttpCall, resp: httpx.Response) -> Any
     if resp.status_code >= 500 or resp.status_code == 429:
         raise ServerFailure(f"{where} answered HTTP {resp.status_code}: {resp.text[:300]}",
                              unhealthy=resp.status_code != 429)
+    if resp.status_code == 404 and call.missing_ok:
+        return None
     if resp.status_code >= 400:
         raise RemoteRequestError(f"{where} rejected the request: HTTP {resp.status_code}: "
                                  f"{resp.text[:500]}")

@@ -59,6 +59,9 @@ class RemoteWeights:
     def _weight_jobs(self, meta: WeightUpdateMeta, weights: Mapping[str, Any] | None
                      ) -> dict[ServerState, Any]:
         servers = self.pool.servers
+        if meta.kind == WeightUpdateKind.DISK and meta.lora:  # a PEFT adapter directory
+            calls = self.backend.lora_update_calls(meta.path, meta.version, meta.keep_versions)
+            return {s: self._update_and_verify(s, calls, meta.version) for s in servers}
         if meta.kind == WeightUpdateKind.DISK:
             calls = self.backend.disk_update_calls(meta.path, meta.version)
             if not calls:
@@ -78,7 +81,8 @@ class RemoteWeights:
             async def push(server: ServerState) -> None:
                 await asyncio.to_thread(push_weights_over_http, server.address, items,
                                         meta.version, meta.bucket_bytes, self.cfg.api_key,
-                                        self.cfg.control_timeout_s)
+                                        self.cfg.control_timeout_s,
+                                        meta.lora_scale if meta.lora else None)
                 await self._verify_version(server, meta.version)
 
             return {s: push(s) for s in servers}

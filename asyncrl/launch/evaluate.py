@@ -29,7 +29,7 @@ from rich.table import Table
 
 from asyncrl.errors import UserError
 from asyncrl.launch.run_checkpoints import find_policy_dir
-from asyncrl.reward.registry import open_reward
+from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.rollout.answer_eval import EvalConfig, EvalResult, evaluate
 
 T = TypeVar("T")
@@ -106,13 +106,15 @@ def print_summary(console: Console, result: EvalResult, title: str) -> None:
 
 @contextlib.contextmanager
 def _eval_engine(model_dir: Path, inference: Any, max_num_seqs: int, max_seq_len: int,
-                 num_threads: int | None, console: Console) -> Iterator[Any]:
+                 num_threads: int | None, console: Console,
+                 trust_remote_code: bool = False) -> Iterator[Any]:
     if inference is None:
         from asyncrl.inference.async_engine import AsyncLLMEngine
         from asyncrl.inference.engine import EngineConfig
 
-        engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_num_seqs=max_num_seqs,
-                                             max_seq_len=max_seq_len, num_threads=num_threads))
+        engine = AsyncLLMEngine(EngineConfig(
+            model_path=str(model_dir), max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
+            num_threads=num_threads, trust_remote_code=trust_remote_code))
         try:
             yield engine, None
         finally:
@@ -124,7 +126,8 @@ def _eval_engine(model_dir: Path, inference: Any, max_num_seqs: int, max_seq_len
         where = (f"{inference.num_servers} local {inference.server_backend} server(s)"
                  if inference.mode == "local" else f"{inference.remote.addresses}")
         console.print(f"eval: generating with {where}", soft_wrap=True)
-        with open_rollout_engines(inference, model_dir, Path(tmp) / "logs") as engines:
+        with open_rollout_engines(inference.trusting(trust_remote_code), model_dir,
+                                  Path(tmp) / "logs") as engines:
             yield engines.engine, partial(engines.start_checks, 0)
 
 
@@ -144,13 +147,14 @@ def run_eval_job(
     model_path: str | Path,
     data: str,
     cfg: EvalConfig,
-    reward: str = "exact",
+    reward: str | dict[str, Any] = "exact",
     limit: int | None = None,
     json_out: Path | None = None,
     console: Console | None = None,
     max_num_seqs: int = 64,
     num_threads: int | None = None,
     inference: Any = None,
+    trust_remote_code: bool = False,
 ) -> EvalResult:
     """`asyncrl eval`: every row of `data` (the first `limit`) against the model at `model_path`.
 
@@ -159,23 +163,24 @@ def run_eval_job(
     in this process. Library imports are deferred to here and to `evaluate` so the CLI rejects
     bad flags without spending seconds importing torch and transformers.
     """
-    from asyncrl.models.loading import load_tokenizer
+    from asyncrl.models.loading import load_tokenizer, resolve_model_path
 
     console = console or Console(stderr=True)
     if limit is not None and limit < 1:
         raise UserError(f"--limit={limit} is out of range; allowed >= 1")
-    model_dir = find_policy_dir(model_path)
+    model_dir = find_policy_dir(resolve_model_path(model_path, setting="checkpoint"))
     rows = load_eval_rows(data)[:limit]
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
     max_seq_len = _check_lengths(model_dir, tokenizer, rows, cfg.max_new_tokens)
     n = cfg.samples_per_problem
     sampling = f" + {n} samples at T={cfg.temperature}" if n else ""
     console.print(f"eval: model {model_dir}", soft_wrap=True)  # paths stay greppable: no wrap
     console.print(f"eval: {len(rows)} problems from {data}; greedy{sampling}", soft_wrap=True)
     with contextlib.ExitStack() as stack:
-        engine, startup = stack.enter_context(_eval_engine(model_dir, inference, max_num_seqs,
-                                                           max_seq_len, num_threads, console))
-        reward_fn = stack.enter_context(open_reward(reward))
+        engine, startup = stack.enter_context(_eval_engine(
+            model_dir, inference, max_num_seqs, max_seq_len, num_threads, console,
+            trust_remote_code))
+        reward_fn = stack.enter_context(open_run_reward(reward))
         with Progress(
             TextColumn("[bold]eval"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console,

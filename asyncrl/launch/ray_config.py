@@ -21,13 +21,15 @@ class RayConfig(Config):
     # is part of (`ray start`); "HOST:PORT": that cluster's head
     address: str | None = None
     trainer_ranks: int = pydantic.Field(1, ge=1)  # torch.distributed world (gloo CPU, NCCL GPU)
-    cpus_per_rank: float = pydantic.Field(1.0, ge=0)
+    cpus_per_rank: float = pydantic.Field(1.0, ge=0)  # CPUs each trainer rank reserves
     gpus_per_rank: float = pydantic.Field(0.0, ge=0)  # 1 on GPU clusters
+    # custom Ray resources per rank, e.g. {trainer_node: 1}
     resources_per_rank: dict[str, float] = {}
+    # how the ranks' bundles spread over nodes
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     cpus_per_server: float = pydantic.Field(1.0, ge=0)  # inference.num_servers of them
     gpus_per_server: float = pydantic.Field(0.0, ge=0)  # the server's tensor-parallel size
-    resources_per_server: dict[str, float] = {}
+    resources_per_server: dict[str, float] = {}  # custom Ray resources per server
     # a dead server actor is started again this many times (-1: always); it rejoins the
     # rotation once it serves the current weights
     max_server_restarts: int = pydantic.Field(3, ge=-1)

@@ -13,6 +13,10 @@ each server reports the new version, and resumes. With a `LogprobCheck` attached
 attaches one; `inference.check_logprobs_every`: every push to servers, every 20th in process by
 default), every engine's logprobs on a small canary batch are then compared with the trainer's.
 
+With `train.lora` the job sets `.adapter`: a push then carries the LoRA adapter only (PEFT
+names; in memory, HTTP buckets, or an adapter directory for `/update_weights/lora` or vLLM's
+LoRA routes) and each engine merges it into the base model it was started from.
+
 Servers are checked before the first rollout (`check_servers`: version range, routes, logprobs
 mode). A vLLM server is given an untied copy of a tied model (see vllm_backend.VLLMBackend).
 """
@@ -21,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from dataclasses import dataclass
 import socket
 from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import torch
@@ -34,31 +39,55 @@ from asyncrl.api import InferenceEngine, PolicyVersion, WeightUpdateKind, Weight
 from asyncrl.launch.ray_config import RayConfig
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck
+from asyncrl.models.export import DEFAULT_SHARD_SIZE
+
+if TYPE_CHECKING:
+    from asyncrl.launch.server_commands import LoraServing
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """How the job's LoRA adapter is described to the engines."""
+
+    scale: float  # alpha / r
+    peft_config: dict[str, Any]  # adapter_config.json of a disk push
+    keep_versions: int  # adapter versions a server keeps for requests in flight (eta + 1)
 
 
 class RolloutEngines:
     def __init__(self, engine: InferenceEngine, cfg: InferenceLaunchConfig, remote: bool,
                  weights_dir: Path, urls: list[str] | None = None,
-                 untie: bool = False, servers: Any = None, version: int = 0) -> None:
+                 untie: bool = False, servers: Any = None, version: int = 0,
+                 shard_size: int | str = DEFAULT_SHARD_SIZE,
+                 generation_config: Any = None) -> None:
         self.engine, self.cfg, self.remote = engine, cfg, remote
+        # disk sync: each version a HF directory of safetensors files of at most `shard_size`,
+        # carrying the starting model's generation config
+        self.shard_size, self.generation_config = shard_size, generation_config
         self.version = PolicyVersion(version)  # served by every engine; only `push` moves it
         self.weights_dir, self.urls = weights_dir, urls or []
         self.untie = untie  # disk updates write an output head of their own
         self.servers = servers  # LocalServers, when this job started them
         self.check: LogprobCheck | None = None  # attached by the job (it needs the trainer)
+        self.adapter: AdapterSpec | None = None  # train.lora: pushes are adapters (the job's)
         self._updates = 0
         self.group_addr = cfg.group_addr or _route_addr(self.urls)  # nccl / gloo sync
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int,
                    hf_config: Any = None, tokenizer: Any = None) -> dict[str, float]:
         """Every engine serves `version` when this returns (disk sync needs `hf_config`).
-        Returns the logprob check's metrics when one ran."""
+        Returns what was sent (`weight_sync/*`) and the logprob check's metrics when one ran.
+        With `adapter` set, `weights` is a LoRA adapter (PEFT names) and only it travels."""
         sent: Mapping[str, torch.Tensor] | None = weights
-        if self.cfg.sync_kind == "disk":
+        if self.adapter is not None:
+            meta, sent = self._adapter_meta(weights, version)
+        elif self.cfg.sync_kind == "disk":
             from asyncrl.models.export import save_weights_dir
 
             path = save_weights_dir(weights, hf_config, self.weights_dir / f"v{version}",
-                                    tokenizer, untie=self.untie)
+                                    tokenizer, untie=self.untie,
+                                    generation_config=self.generation_config,
+                                    max_shard_size=self.shard_size)
             _remove_older(self.weights_dir, version)
             meta, sent = WeightUpdateMeta.from_disk(str(path), version), None
         elif self.cfg.sync_kind in ("nccl", "gloo"):
@@ -79,10 +108,29 @@ class RolloutEngines:
                 self.engine.resume()
         self.version.set(version)
         self._updates += 1
+        metrics = {"weight_sync/tensors": float(len(weights)),
+                   "weight_sync/bytes": float(sum(t.numel() * t.element_size()
+                                                  for t in weights.values()))}
         every = self.cfg.canary_every
         if self.check is not None and every and self._updates % every == 0:
-            return await self.check.run(self.engine, version)
-        return {}
+            metrics.update(await self.check.run(self.engine, version))
+        return metrics
+
+    def _adapter_meta(self, adapter: Mapping[str, torch.Tensor], version: int
+                      ) -> tuple[WeightUpdateMeta, Mapping[str, torch.Tensor] | None]:
+        """A LoRA push: the adapter in memory / HTTP buckets, or a PEFT adapter directory."""
+        spec = self.adapter
+        if self.cfg.sync_kind == "disk":
+            from asyncrl.models.lora import write_adapter_dir
+
+            path = write_adapter_dir(adapter, spec.peft_config, self.weights_dir / f"v{version}")
+            _remove_older(self.weights_dir, version - spec.keep_versions + 1)
+            return WeightUpdateMeta.lora_from_disk(str(path), version, spec.keep_versions), None
+        if self.cfg.sync_kind != "tensors":
+            raise ValueError(f"inference.weight_sync={self.cfg.sync_kind!r} with train.lora; "
+                             "allowed: tensors, disk")
+        return WeightUpdateMeta.lora_from_tensors(version, spec.scale, self.cfg.bucket_bytes,
+                                                  spec.keep_versions), adapter
 
     def interrupt(self) -> None:
         """Every generation in flight returns now with its partial output, new ones return
@@ -113,7 +161,8 @@ def _route_addr(urls: list[str]) -> str:
 
 
 def _remove_older(weights_dir: Path, version: int) -> None:
-    """Disk sync keeps the newest two weight directories (one may still be loading)."""
+    """Disk sync keeps the newest two weight directories (one may still be loading); a LoRA
+    push keeps the adapters a server may still hold for requests in flight."""
     for old in weights_dir.glob("v*"):
         if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
             shutil.rmtree(old, ignore_errors=True)
@@ -122,10 +171,15 @@ def _remove_older(weights_dir: Path, version: int) -> None:
 @contextlib.contextmanager
 def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_dir: Path,
                          detokenize: Any = None, version: int = 0,
-                         ray_cfg: RayConfig | None = None) -> Iterator[RolloutEngines]:
+                         ray_cfg: RayConfig | None = None,
+                         shard_size: int | str = DEFAULT_SHARD_SIZE,
+                         lora: LoraServing | None = None) -> Iterator[RolloutEngines]:
     """`version`: of the weights in `model_dir` (a resumed checkpoint's). `ray_cfg`: the servers
-    of mode local are Ray actors (`launcher: ray`), not processes of this machine."""
+    of mode local are Ray actors (`launcher: ray`), not processes of this machine.
+    `shard_size`: of the safetensors files written for the engines (disk sync, untied copy).
+    `lora`: pushes will be LoRA adapters; servers of mode local are started to take them."""
     weights_dir = log_dir.parent / "weights"  # disk sync only; created on first use
+    written = {"shard_size": shard_size, "generation_config": _generation_config(model_dir)}
     if cfg.sync_kind == "nccl" and not torch.cuda.is_available():
         raise ValueError("inference.weight_sync='nccl' needs CUDA in the trainer process and "
                          "this one has none; allowed here: gloo (the same broadcast over TCP), "
@@ -138,7 +192,7 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
                                           version=version))
         try:
             yield RolloutEngines(engine, cfg, remote=False, weights_dir=weights_dir,
-                                 version=version)
+                                 version=version, **written)
         finally:
             engine.shutdown()
         return
@@ -156,8 +210,9 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
             if untie:
                 from asyncrl.models.export import untied_copy
 
-                served = str(untied_copy(model_dir, log_dir.parent / "served_model"))
-            make = partial(_command, cfg, served)
+                served = str(untied_copy(model_dir, log_dir.parent / "served_model",
+                                         shard_size, cfg.engine.trust_remote_code))
+            make = partial(_command, cfg, served, lora=lora)
             if ray_cfg is not None:  # placed by Ray, on whichever nodes have their resources
                 from asyncrl.launch.ray_servers import RayServers
 
@@ -176,13 +231,22 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
             stack.enter_context(servers.watching(engine))
         yield RolloutEngines(engine, cfg, remote=True, weights_dir=weights_dir,
                              urls=list(remote_cfg.addresses), untie=untie, servers=servers,
-                             version=version)
+                             version=version, **written)
+
+
+def _generation_config(model_dir: str | Path) -> Any:
+    """`model_dir`'s generation config, or None (then derived from the config when written)."""
+    if not (Path(model_dir) / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
 
 
 def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str,
-             host: str = "127.0.0.1") -> Any:
+             host: str = "127.0.0.1", lora: LoraServing | None = None) -> Any:
     from asyncrl.launch.server_commands import server_command
 
     return server_command(cfg.server_backend, model_dir, python=cfg.server_python,
                           engine=cfg.engine, api_key=api_key, extra_args=cfg.server_args,
-                          weight_transfer=cfg.sync_kind == "nccl", host=host)
+                          weight_transfer=cfg.sync_kind == "nccl", host=host, lora=lora)

@@ -1,12 +1,15 @@
 """Checkpoints of a training run: RUN/checkpoints/step_NNNNNN/{policy/, trainer/, [critic/,]
 state.json, rollouts.pkl}.
 
-`policy/` is a plain HF model directory (weights + tokenizer) that `asyncrl eval`, `asyncrl serve`
-or vLLM load directly; `trainer/` holds the full training state (weights and optimizer sharded
-by rank, resumable on another world size; LR schedule, RNG, the policy version); `state.json`
-the loop's own position (step, data position, elapsed time) and the rollout side's staleness
-counters; `rollouts.pkl` the episodes in flight (rows queued, trajectories not consumed,
-suspended generations: rollout/snapshot.py). A checkpoint is written under a hidden name and
+`policy/` is a plain HF model directory written by save_pretrained (config, generation config,
+safetensors sharded by `checkpoint_shard_size` with an index, tokenizer and chat template) that
+transformers, `asyncrl eval`, `asyncrl serve` or vLLM load directly (with `train.lora` the
+adapter merged in; `adapter/` holds the adapter alone, as `PeftModel.save_pretrained` writes
+it); `trainer/` holds the full training state (weights and optimizer sharded by rank,
+resumable on another world size; LR schedule, RNG, the policy version); `state.json` the loop's
+own position (step, data position, elapsed time) and the rollout side's staleness counters;
+`rollouts.pkl` the episodes in flight (rows queued, trajectories not consumed, suspended
+generations: rollout/snapshot.py). A checkpoint is written under a hidden name and
 renamed into place, then `latest` is updated, so a crash mid-write never leaves a checkpoint that
 looks complete.
 
@@ -25,12 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.errors import UserError
+from asyncrl.models.export import DEFAULT_SHARD_SIZE
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # a file in CHECKPOINTS holding the newest step directory's name
 POLICY = "policy"
 TRAINER = "trainer"  # the policy engine's full state (train/checkpoint.py)
 CRITIC = "critic"  # the critic engine's, when the run has one
+ADAPTER = "adapter"  # train.lora: the LoRA adapter (PEFT format); policy/ holds it merged
 STATE = "state.json"
 ROLLOUTS = "rollouts.pkl"  # the executor's snapshot of the episodes in flight
 STEP_NAME = re.compile(r"step_(\d+)")
@@ -67,11 +72,13 @@ def read_latest(checkpoints: Path) -> str | None:
 
 
 def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer: Any,
-                        keep: int, critic: Any = None, rollouts: Any = None) -> Path:
+                        keep: int, critic: Any = None, rollouts: Any = None,
+                        shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
     """Every trainer rank calls this (the weights are gathered for policy/ and the sharded
     training state written collectively); rank 0 writes the other files. A critic (estimator
     gae) is saved under `critic/`, the episodes in flight (`rollouts`, a RolloutSnapshot,
-    rank 0's) as `rollouts.pkl`."""
+    rank 0's) as `rollouts.pkl`. `policy/` is written by save_pretrained (safetensors files of
+    at most `shard_size`, the base model's generation config, the tokenizer)."""
     from asyncrl.models.export import save_weights_dir
 
     final = step_dir(run_dir, state.step)
@@ -82,7 +89,12 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        save_weights_dir(weights, trainer.model.config, tmp / POLICY, tokenizer)
+        save_weights_dir(weights, trainer.model.config, tmp / POLICY, tokenizer,
+                         generation_config=getattr(trainer.model, "generation_config", None),
+                         max_shard_size=shard_size)
+        del weights  # under FSDP rank 0's gathered copy: gone before the DCP save below
+    if getattr(trainer, "lora", None) is not None:  # train.lora: the adapter, PEFT's layout
+        _save_adapter(trainer, tmp / ADAPTER)  # collective under FSDP (one gather per matrix)
     # policy/ holds the full weights already: the trainer state keeps only its shards (the
     # critic keeps its model.safetensors: the one unsharded copy of the value model)
     trainer.save(tmp / TRAINER, extra_state={"loop": asdict(state)}, full_weights=False)
@@ -101,6 +113,16 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
     os.replace(latest.with_suffix(".tmp"), latest)
     _prune(final.parent, keep)
     return final
+
+
+def _save_adapter(trainer: Any, path: Path) -> None:
+    """PeftModel.save_pretrained's files, loadable onto the base model by PEFT or vLLM."""
+    from asyncrl.models.lora import write_adapter_dir
+    from asyncrl.train.lora import peft_config_dict
+
+    adapter = trainer.adapter_state_dict()
+    if trainer.rank == 0:
+        write_adapter_dir(adapter, peft_config_dict(trainer.model), path)
 
 
 def _prune(checkpoints: Path, keep: int) -> None:

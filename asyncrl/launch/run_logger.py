@@ -35,11 +35,12 @@ ALWAYS_LOGGED_PREFIXES = ("eval/",)
 
 
 class LoggingConfig(Config):
-    tensorboard: bool = True
+    tensorboard: bool = True  # write RUN/tensorboard/ event files
+    # Weights & Biases: offline writes RUN/wandb/ to sync later
     wandb: Literal["off", "offline", "online"] = "off"
-    wandb_project: str = "asyncrl"
+    wandb_project: str = "asyncrl"  # the W&B project of the run
     wandb_run_name: str | None = None  # None: W&B picks a name
-    plot: bool = True
+    plot: bool = True  # draw RUN/curves.png (reward, accuracy, loss, staleness)
     plot_every: int = pydantic.Field(10, ge=1)  # the train loop calls RunLogger.plot() this often
     log_every: int = pydantic.Field(1, ge=1)  # steps between written records (eval always written)
 

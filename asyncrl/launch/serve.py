@@ -16,12 +16,16 @@ from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.inference.server import ServerConfig, create_app
 from asyncrl.launch.server_commands import READY_PREFIX
-from asyncrl.models.loading import check_model_dir, load_tokenizer
+from asyncrl.models.loading import check_model_dir, load_tokenizer, resolve_model_path
 
 
 def build_server_app(cfg: ServerConfig):
-    model_dir = check_model_dir(cfg.engine.model_path)
-    tokenizer = load_tokenizer(model_dir)
+    # a hub id (`--model org/name`) is resolved once to its cached snapshot, which the engine
+    # then loads like any local directory
+    model_dir = check_model_dir(resolve_model_path(cfg.engine.model_path, setting="--model"))
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(
+        update={"model_path": str(model_dir)})})
+    tokenizer = load_tokenizer(model_dir, cfg.engine.trust_remote_code)
 
     def detokenize(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
@@ -53,10 +57,13 @@ def serve(cfg: ServerConfig) -> None:
 
 
 def server_config_from_args(model: str, port: int, host: str, api_key: str | None,
-                            overrides: list[str]) -> ServerConfig:
+                            overrides: list[str], trust_remote_code: bool = False
+                            ) -> ServerConfig:
     base = [f"engine.model_path={model}", f"port={port}", f"host={host}"]
     if api_key:
         base.append(f"api_key={api_key}")
+    if trust_remote_code:
+        base.append("engine.trust_remote_code=true")
     return ServerConfig.load(None, base + overrides)
 
 

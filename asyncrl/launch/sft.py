@@ -35,9 +35,9 @@ from asyncrl.models.loading import (
     TINY_BUILD_VERSION,
     ModelConfig,
     cache_root,
-    ensure_tiny_model,
     load_causal_lm,
     load_tokenizer,
+    resolve_model_dir,
 )
 from asyncrl.models.tiny import TinyModelConfig, save_model_dir
 from asyncrl.reward.exact import exact_answer_reward
@@ -101,18 +101,20 @@ def output_dir_for(cfg: SFTRunConfig) -> Path:
     return cache_root() / "sft" / f"tiny-sft-{cache_key(cfg)}"
 
 
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int,
+                    template_kwargs: dict | None = None) -> float:
     """Mean greedy score: exact final answer for `messages` rows; for `conversation` rows, whether
     the first assistant turn (EOS included) equals the demonstration's (for a tool agent: the
     right tool call), which is why such eval rows should be clean demonstrations."""
     prompts, targets = [], []
     for r in rows:
         if r.get("conversation") is not None:
-            ids, target = first_turn(tokenizer, r)
+            ids, target = first_turn(tokenizer, r, template_kwargs)
             prompts.append(ids)
             targets.append(target)
         else:
-            prompts.append(encode_chat_prompt(tokenizer, r["messages"]))
+            prompts.append(encode_chat_prompt(tokenizer, r["messages"],
+                                              template_kwargs=template_kwargs))
             targets.append(None)
     outs = hf_greedy_generate(model, prompts, max_new_tokens, tokenizer.pad_token_id,
                               tokenizer.eos_token_id)
@@ -162,20 +164,21 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
                   f"steps; cached in {out} for later runs). An estimate follows after "
                   f"{ESTIMATE_AFTER} steps.")
     torch.manual_seed(cfg.sft.seed)
-    base = Path(cfg.model.path) if cfg.model.path else ensure_tiny_model(cfg.tiny)
-    tokenizer = load_tokenizer(base)
-    model = load_causal_lm(base, dtype=cfg.model.dtype)
+    base = resolve_model_dir(cfg.model, cfg.tiny)  # a hub id: its cached snapshot
+    tokenizer = load_tokenizer(base, cfg.model.trust_remote_code)
+    model = load_causal_lm(base, cfg.model.dtype, cfg.model.trust_remote_code)
     dataset = cfg.data.build()
     train_rows = with_label_noise(dataset.train_rows(), cfg.sft.label_noise,
                                   cfg.sft.label_noise_offset, cfg.sft.seed)
-    examples = build_examples(tokenizer, train_rows)
+    examples = build_examples(tokenizer, train_rows, cfg.model.template_kwargs())
     eval_rows = dataset.eval_rows()[: cfg.sft.eval_size]
     console.print(f"SFT: {len(examples)} train rows, {len(eval_rows)} eval rows, "
                   f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, base {base}")
 
     def evaluate() -> float:
         model.eval()
-        return greedy_accuracy(model, tokenizer, eval_rows, cfg.sft.eval_max_new_tokens)
+        return greedy_accuracy(model, tokenizer, eval_rows, cfg.sft.eval_max_new_tokens,
+                               cfg.model.template_kwargs())
 
     columns = [TextColumn("[bold]sft"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]

@@ -41,10 +41,11 @@ from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.devices import check_engine_placement
 from asyncrl.launch.devices import resolve as resolve_device
 from asyncrl.launch.ray_trainer import RANK_ENV, run_on_ray
-from asyncrl.launch.rollout_engines import open_rollout_engines
+from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
 from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
                                             load_loop_state)
 from asyncrl.launch.run_logger import RunLogger
+from asyncrl.launch.server_commands import LoraServing
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.train_loop import TrainLoop, bounded
 from asyncrl.launch.trainer_group import (
@@ -59,9 +60,10 @@ from asyncrl.launch.trainer_group import (
 from asyncrl.launch.weight_check import LogprobCheck
 from asyncrl.launch.workflows import (WorkflowContext, resolve_evaluator, resolve_loss,
                                       resolve_workflow)
-from asyncrl.models.loading import load_tokenizer
-from asyncrl.reward.registry import open_reward
+from asyncrl.models.loading import load_tokenizer, resolve_model_dir
+from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.rollout.executor import WorkflowExecutor
+from asyncrl.train.lora import lora_enabled, peft_config_dict
 
 CONFIG_FILE = "config.yaml"
 
@@ -107,8 +109,11 @@ def default_run_dir() -> Path:
 
 
 def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
+    """The base model's directory: `model.path` (a hub id resolved once, here, to its cached
+    snapshot, so trainer, critic, reference and engines all read the same files), else the
+    SFT warm start of the tiny model."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return resolve_model_dir(cfg.model)
     from asyncrl.launch.sft import run_sft_job
 
     rl = (f"{cfg.max_train_seconds / 60:.0f} min of RL training"
@@ -207,7 +212,7 @@ class Trainer:
             # rank 0 decides (and may run the SFT warm start); the others are told the paths
             state, policy_dir, self.ckpt, self.base = broadcast(self._initial_state() if leader
                                                                 else None)
-            tokenizer = load_tokenizer(policy_dir)
+            tokenizer = load_tokenizer(policy_dir, cfg.model.trust_remote_code)
             group = self._build_trainer(policy_dir, tokenizer)
             try:
                 if not leader:
@@ -227,12 +232,16 @@ class Trainer:
         dataset = cfg.data.build()
         self.eval_rows = dataset.eval_rows()[: cfg.eval.size]
         with contextlib.ExitStack() as stack:
-            reward_fn = stack.enter_context(open_reward(cfg.reward))
+            reward_fn = stack.enter_context(open_run_reward(cfg.reward))
             engines = stack.enter_context(open_rollout_engines(
-                cfg.inference, policy_dir, self.run_dir / "logs",
+                cfg.inference.trusting(cfg.model.trust_remote_code), policy_dir,
+                self.run_dir / "logs",
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 version=group.trainer.version.value,
-                ray_cfg=cfg.ray if cfg.launcher == "ray" else None))
+                ray_cfg=cfg.ray if cfg.launcher == "ray" else None,
+                shard_size=cfg.checkpoint_shard_size,
+                lora=LoraServing(cfg.train.lora.r, cfg.rollout.max_head_offpolicyness + 1)
+                if lora_enabled(cfg.train.lora) else None))
             rollout_cfg = cfg.rollout.model_copy(
                 update={"dump_dir": cfg.rollout.dump_dir or str(self.run_dir / "rollouts")})
             # the executor follows the version the engines serve (the trainer's, once pushed)
@@ -246,9 +255,18 @@ class Trainer:
             evaluator = resolve_evaluator(self.plugins.eval_workflow, workflow, ctx)
             engines.check = self._logprob_check(group, tokenizer)
             limit = cfg.watchdog.sync_timeout_s
+            if group.trainer.lora is not None:  # pushes are adapters; the engines hold the base
+                engines.adapter = AdapterSpec(group.trainer.lora.scale,
+                                              peft_config_dict(group.trainer.model),
+                                              cfg.rollout.max_head_offpolicyness + 1)
+                if group.trainer.version.value > 0:  # resumed: the checkpoint's adapter first
+                    bounded(executor, engines.push(group.state_dict(),
+                                                   group.trainer.version.value), limit,
+                            "the adapter push of the resumed checkpoint",
+                            "watchdog.sync_timeout_s")
             bounded(executor, engines.start_checks(group.trainer.version.value), limit,
                      "the servers' start-up checks", "watchdog.sync_timeout_s")
-            if engines.remote and group.trainer.version.value > 0:
+            if engines.remote and group.trainer.version.value > 0 and engines.adapter is None:
                 # servers started from a checkpoint report version 0: one push labels them
                 bounded(executor, engines.push(group.state_dict(), group.trainer.version.value,
                                                 group.trainer.model.config, tokenizer), limit,
@@ -271,7 +289,9 @@ class Trainer:
         rows = [r for r in self.eval_rows[:2] if "messages" in r]
         if not rows:
             return None
-        prompts = [encode_chat_prompt(tokenizer, r["messages"]) for r in rows]
+        kwargs = cfg.model.template_kwargs()
+        prompts = [encode_chat_prompt(tokenizer, r["messages"], template_kwargs=kwargs)
+                   for r in rows]
         return LogprobCheck(group.score, prompts, cfg.train.temperature,
                             cfg.inference.check_logprobs_tolerance)
 
@@ -282,7 +302,10 @@ class Trainer:
             ckpt = latest_checkpoint(self.run_dir)
             state = load_loop_state(ckpt)
             self.console.print(f"resuming {self.run_dir} from {ckpt.name} (step {state.step})")
-            return state, ckpt / "policy", ckpt, base
+            # LoRA: engines merge adapters into the base model they start from, and the trainer
+            # restores base + adapter from the checkpoint's state
+            start = base if lora_enabled(self.cfg.train.lora) else ckpt / "policy"
+            return state, start, ckpt, base
         return LoopState(0, 0, 0.0, 0.0), base, None, base
 
     def _build_trainer(self, policy_dir: Path, tokenizer: Any) -> TrainerGroup:
@@ -290,17 +313,18 @@ class Trainer:
         # the LR schedule counts optimizer steps: ppo_n_minibatches per policy version
         steps = cfg.total_steps * cfg.actor.ppo_n_minibatches
         train_cfg = cfg.train.model_copy(update={"total_steps": steps})
-        trainer = load_engine(policy_dir, train_cfg, cfg.model.dtype)
+        trust = cfg.model.trust_remote_code
+        trainer = load_engine(policy_dir, train_cfg, cfg.model.dtype, trust)
         if self.ckpt is not None:
             trainer.load(self.ckpt / TRAINER)  # weights, optimizer, RNG and the version
         ref = None
         if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
             ref = load_engine(self.base, train_cfg.model_copy(update={"trainable": False}),
-                              cfg.model.dtype)
+                              cfg.model.dtype, trust)
         critic = None
         if cfg.actor.advantage.estimator == "gae":  # a fresh value head on the base model's body
             critic = load_critic(self.base, cfg.critic.model_copy(update={"total_steps": steps}),
-                                 cfg.model.dtype)
+                                 cfg.model.dtype, trust)
             if self.ckpt is not None:
                 critic.load(self.ckpt / CRITIC)
         loss: PolicyLoss | None = resolve_loss(self.plugins.loss, cfg)

@@ -21,8 +21,10 @@ from asyncrl.launch.ray_config import RayConfig
 from asyncrl.launch.run_logger import LoggingConfig
 from asyncrl.launch.sft import SFTRunConfig
 from asyncrl.launch.watchdog import WatchdogConfig
+from asyncrl.models.export import DEFAULT_SHARD_SIZE, parse_shard_size
 from asyncrl.models.loading import ModelConfig
 from asyncrl.proxy.config import AgentConfig
+from asyncrl.reward.config import RewardConfig, reward_config
 from asyncrl.rollout.executor import RolloutConfig
 from asyncrl.rollout.multi_turn import MultiTurnConfig
 from asyncrl.train.engine import TrainEngineConfig
@@ -34,13 +36,17 @@ from asyncrl.train.proximal import ProximalConfig
 class RLVRWorkflowConfig(Config):
     """One prompt, `gconfig.n_samples` sampled answers, one reward each."""
 
-    kind: Literal["rlvr"] = "rlvr"
+    kind: Literal["rlvr"] = "rlvr"  # the workflow: rlvr | multi_turn | agent | custom
+    # with model.reasoning_parser set, the reward reads only the answer after the reasoning
+    # (`</think>`); true: the whole reply (a reward on the reasoning's form or length). The
+    # trained tokens are the whole reply either way.
+    reward_sees_reasoning: bool = False
 
 
 class MultiTurnWorkflowConfig(MultiTurnConfig):
     """Answer, feedback, retry; `gconfig.n_samples` episodes per prompt form the group."""
 
-    kind: Literal["multi_turn"] = "multi_turn"
+    kind: Literal["multi_turn"] = "multi_turn"  # the workflow: rlvr | multi_turn | agent | custom
 
 
 class AgentWorkflowConfig(AgentConfig):
@@ -48,19 +54,20 @@ class AgentWorkflowConfig(AgentConfig):
     `gconfig.n_samples` runs per prompt form the group. The agent sets its own sampling
     parameters per request; leave temperature unset (1.0) so it matches `train.temperature`."""
 
-    kind: Literal["agent"] = "agent"
+    kind: Literal["agent"] = "agent"  # the workflow: rlvr | multi_turn | agent | custom
 
 
 class CustomWorkflowConfig(Config):
     """Your own workflow: `path: package.module:Name` names a class or factory, called with
-    `kwargs` plus whichever of `tokenizer`, `gconfig`, `reward_fn` its signature asks for, or an
-    instance. It must give an object with `async def arun_episode(engine, data)` (a
-    RolloutWorkflow) or an agent (`async def run(data, **kw)`, run through the proxy).
+    `kwargs` plus whichever of `tokenizer`, `gconfig`, `reward_fn`, `chat` (the model's chat
+    options) its signature asks for, or an instance. It must give an object with
+    `async def arun_episode(engine, data)` (a RolloutWorkflow) or an agent
+    (`async def run(data, **kw)`, run through the proxy).
     `workflow: {path: ..., kwargs: ...}` without a kind means this one."""
 
-    kind: Literal["custom"] = "custom"
+    kind: Literal["custom"] = "custom"  # the workflow: rlvr | multi_turn | agent | custom
     path: str = pydantic.Field(description="package.module:ClassOrFactory")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}  # keyword arguments of the class or factory
 
 
 WorkflowConfig = Annotated[RLVRWorkflowConfig | MultiTurnWorkflowConfig | AgentWorkflowConfig
@@ -86,6 +93,7 @@ class InferenceLaunchConfig(Config):
     reload or weights altered on the way show up there).
     """
 
+    # where rollouts are generated (see above)
     mode: Literal["inprocess", "local", "remote"] = "inprocess"
     # local: which servers to start (None: asyncrl); remote: taken from remote.backend
     backend: Literal["asyncrl", "vllm", "sglang"] | None = None
@@ -97,16 +105,17 @@ class InferenceLaunchConfig(Config):
     # in-process engine's kernels (the trainer keeps torch_threads), a server's whole process.
     engine: EngineSettings = EngineSettings(max_num_seqs=256, num_threads=1)
     startup_timeout_s: float = pydantic.Field(300.0, gt=0)  # local servers
-    remote: RemoteEngineConfig | None = None
+    remote: RemoteEngineConfig | None = None  # mode remote: the servers' addresses and backend
     # nccl / gloo: a collective broadcast from the trainer to every server (a weight group the
     # servers join; nccl between GPUs, gloo the same path over TCP on CPUs)
     weight_sync: Literal["auto", "tensors", "disk", "nccl", "gloo"] = "auto"
+    # size of one HTTP / broadcast weight bucket
     bucket_bytes: int = pydantic.Field(64 << 20, ge=1 << 16)
     # nccl / gloo: the trainer's address the servers connect to (None: 127.0.0.1 for local
     # servers; for remote ones, this machine's address on the route to the first server) and
     # the rendezvous port (0: a free one)
     group_addr: str | None = None
-    group_port: int = pydantic.Field(0, ge=0, le=65535)
+    group_port: int = pydantic.Field(0, ge=0, le=65535)  # 0: a free port
     # weight pushes between logprob canaries; 0: never. None (auto): every push to servers (the
     # transfer can go wrong), every 20th in process (a canary there waits for the busy engine:
     # 0.35-0.40 s on the main job, against 0.6 s steps; the tensors are copied in memory)
@@ -159,6 +168,15 @@ class InferenceLaunchConfig(Config):
             return self.weight_sync
         return "tensors" if self.server_backend == "asyncrl" else "disk"
 
+    def trusting(self, trust_remote_code: bool) -> InferenceLaunchConfig:
+        """This config with `model.trust_remote_code` passed on to the engines: the in-process
+        one and the servers the job starts (`--trust-remote-code`); remote servers are started
+        by their owner, with their own flags."""
+        if not trust_remote_code:
+            return self
+        engine = self.engine.model_copy(update={"trust_remote_code": True})
+        return self.model_copy(update={"engine": engine})
+
 
 def _default_generation() -> GenerationConfig:
     return GenerationConfig(n_samples=8, max_new_tokens=8, temperature=1.0)
@@ -168,7 +186,11 @@ class TrainRunConfig(Config):
     model: ModelConfig = ModelConfig()
     warm_start: SFTRunConfig = SFTRunConfig()  # used when model.path is None
     data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)
-    reward: str = pydantic.Field("exact", description="exact | math | package.module:function")
+    # a name (exact, digits, math, code), package.module:function, trl:package.module:function,
+    # or a mapping with a kind (judge, function, trl, code): asyncrl/reward/config.py
+    reward: str | RewardConfig = pydantic.Field(
+        "exact", description="exact | digits | math | code | package.module:function | "
+                             "trl:package.module:function | {kind: judge, ...}")
     workflow: WorkflowConfig = pydantic.Field(default_factory=RLVRWorkflowConfig)
     gconfig: GenerationConfig = pydantic.Field(default_factory=_default_generation)
     # DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere;
@@ -189,12 +211,16 @@ class TrainRunConfig(Config):
     logging: LoggingConfig = LoggingConfig()
     # stop a run that cannot make progress; time limits of the loop's waits
     watchdog: WatchdogConfig = WatchdogConfig()
+    # policy updates (the run also stops at max_train_seconds)
     total_steps: int = pydantic.Field(1000, ge=1)
     max_train_seconds: float | None = pydantic.Field(
         600.0, gt=0, description="stop after this much training wall time (evals excluded)")
     checkpoint_every: int = pydantic.Field(50, ge=0)  # 0: only at the end
+    # largest safetensors file of every HF directory the run writes (checkpoints' policy/, disk
+    # weight syncs): bytes or "5GB"/"500MiB"; a bigger model is sharded with an index
+    checkpoint_shard_size: int | str = DEFAULT_SHARD_SIZE
     output_dir: str | None = None  # None: runs/<UTC timestamp>
-    seed: int = 0
+    seed: int = 0  # data order, sampling and initialisation
     torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: all cores")
     # local: this machine (torchrun for several ranks); ray: trainer ranks and (inference.mode
     # local) rollout servers placed on a Ray cluster, `ray.*` (`asyncrl train --ray ADDRESS`)
@@ -209,8 +235,21 @@ class TrainRunConfig(Config):
             data = {**data, "workflow": {**wf, "kind": "custom"}}
         return data
 
+    @pydantic.field_validator("reward", mode="before")
+    @classmethod
+    def _reward_form(cls, value: Any) -> Any:  # before: one line naming the allowed forms
+        reward_config(value)  # a string stays as written; a mapping is checked here too
+        return value
+
+    @pydantic.field_validator("checkpoint_shard_size", mode="before")
+    @classmethod
+    def _shard_size(cls, value: Any) -> Any:  # before: pydantic would take `true` as 1 byte
+        parse_shard_size(value, "checkpoint_shard_size")  # ValueError naming the allowed forms
+        return value
+
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:
+        check_lora(self)
         if not self.critic.trainable:
             raise ValueError("critic.trainable=False: the critic is trained alongside the policy "
                              "(advantage.estimator gae); allowed: true")
@@ -224,3 +263,27 @@ class TrainRunConfig(Config):
                              f"advantage.estimator={self.actor.advantage.estimator!r}: a group "
                              "baseline needs allowed [2, inf)")
         return self
+
+
+def check_lora(cfg: TrainRunConfig) -> None:
+    """`train.lora` needs an adapter path to every engine: in memory or HTTP buckets (asyncrl),
+    a PEFT adapter directory (asyncrl, vLLM); the critic trains all its weights."""
+    if cfg.critic.lora is not None:
+        raise ValueError("critic.lora is not supported: the critic (a fresh value head) trains "
+                         "all its weights; allowed: null (train.lora with advantage.estimator "
+                         "gae is fine)")
+    lora = cfg.train.lora
+    if lora is None or not lora.enabled:
+        return
+    inf = cfg.inference
+    if inf.sync_kind in ("nccl", "gloo"):
+        raise ValueError(f"inference.weight_sync={inf.weight_sync!r} with train.lora is not "
+                         "supported (the broadcast sends full weights); allowed: auto, tensors, "
+                         "disk")
+    if inf.mode != "inprocess" and inf.server_backend == "sglang":
+        raise ValueError("train.lora with backend 'sglang' is not supported; allowed backends: "
+                         "asyncrl, vllm")
+    if inf.mode == "local" and inf.server_backend == "vllm":  # the servers this job starts
+        from asyncrl.launch.server_commands import LoraServing, vllm_lora_args
+
+        vllm_lora_args(LoraServing(lora.r))  # raises for a rank vLLM cannot serve

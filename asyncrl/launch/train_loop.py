@@ -203,7 +203,8 @@ class TrainLoop:
             self.state.data_position = self.stream.position
             self.state.rollout = self.executor.state_dict()
             self.state.in_flight = snap.counts()
-            path = self.group.checkpoint(self.job.run_dir, self.state, keep=3, rollouts=snap)
+            path = self.group.checkpoint(self.job.run_dir, self.state, keep=3, rollouts=snap,
+                                         shard_size=self.cfg.checkpoint_shard_size)
         finally:
             if not final:
                 self.executor.restore(snap, self.workflow, self.monitor.accept)

@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.api import PolicyLoss, Sample, Trajectory
 from asyncrl.launch.run_checkpoints import LoopState, save_run_checkpoint
+from asyncrl.models.export import DEFAULT_SHARD_SIZE
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
 from asyncrl.train.ppo_actor import PPOActor, PPOActorConfig
 
@@ -33,23 +34,26 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str) -> HFTrainEngine:
+def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str,
+                trust_remote_code: bool = False) -> HFTrainEngine:
     """HFTrainEngine on one process, FSDPTrainEngine (sharded) under torchrun."""
     if not is_distributed():
-        return HFTrainEngine.from_pretrained(path, cfg, dtype=dtype)
+        return HFTrainEngine.from_pretrained(path, cfg, dtype=dtype,
+                                             trust_remote_code=trust_remote_code)
     from asyncrl.models.loading import load_causal_lm
     from asyncrl.train.fsdp import FSDPTrainEngine, init_distributed
 
     init_distributed()
-    return FSDPTrainEngine(load_causal_lm(path, dtype=dtype), cfg)
+    return FSDPTrainEngine(load_causal_lm(path, dtype, trust_remote_code), cfg)
 
 
-def load_critic(path: Path, cfg: TrainEngineConfig, dtype: str) -> HFTrainEngine:
+def load_critic(path: Path, cfg: TrainEngineConfig, dtype: str,
+                trust_remote_code: bool = False) -> HFTrainEngine:
     """A value head on the policy's body: CriticEngine, sharded like the policy under torchrun."""
     from asyncrl.models.loading import load_causal_lm
     from asyncrl.train.critic import CriticEngine, ValueModel, fsdp_critic_engine
 
-    model = ValueModel(load_causal_lm(path, dtype=dtype))
+    model = ValueModel(load_causal_lm(path, dtype, trust_remote_code))
     return fsdp_critic_engine(model, cfg) if is_distributed() else CriticEngine(model, cfg)
 
 
@@ -101,15 +105,18 @@ class TrainerGroup:
         return _score(self.trainer, prompt_ids, output_ids)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights (on rank 0)."""
+        """What the engines are sent (on rank 0): the full weights, or with train.lora the
+        adapter only."""
         self._command("state_dict")
-        return self.trainer.model_state_dict()
+        return self.trainer.engine_weights()
 
-    def checkpoint(self, run_dir: Path, state: LoopState, keep: int, rollouts: Any = None
-                   ) -> Path:
+    def checkpoint(self, run_dir: Path, state: LoopState, keep: int, rollouts: Any = None,
+                   shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+        """`shard_size`: of policy/'s safetensors files (rank 0 writes them; the other ranks
+        only take part in the gather)."""
         self._command("checkpoint", (run_dir, state, keep))
         return save_run_checkpoint(run_dir, state, self.trainer, self.tokenizer, keep,
-                                   self.critic, rollouts)
+                                   self.critic, rollouts, shard_size)
 
     def stop(self) -> None:
         self._command("stop")
@@ -124,7 +131,7 @@ class TrainerGroup:
             elif name == "score":
                 _score(self.trainer, *payload)
             elif name == "state_dict":
-                self.trainer.model_state_dict()
+                self.trainer.engine_weights()
             elif name == "checkpoint":
                 save_run_checkpoint(*payload[:2], self.trainer, self.tokenizer, payload[2],
                                     self.critic)

@@ -7,7 +7,7 @@
 - a reward function `reward(completion_text, data) -> float` (sync or async): the config's built-in
   workflow (`rlvr`, or `multi_turn`) with that reward;
 - `"package.module:Name"`: imported, then as above; a class or factory is called with `kwargs`
-  plus whichever of `tokenizer`, `gconfig`, `reward_fn` its signature names;
+  plus whichever of `tokenizer`, `gconfig`, `reward_fn`, `chat` its signature names;
 - nothing: the config's `workflow` (kind rlvr | multi_turn | agent | custom).
 
 The evaluator is the eval workflow's (or else the workflow's) own `aevaluate` when it has one
@@ -30,7 +30,8 @@ from asyncrl.reward.call import RewardFn
 from asyncrl.rollout.episode_eval import EpisodeEvaluator
 from asyncrl.rollout.group import GroupedWorkflow
 
-INJECTABLE = ("tokenizer", "gconfig", "reward_fn")
+# chat: the model's ChatOptions (template variables, reasoning and tool-call parsers)
+INJECTABLE = ("tokenizer", "gconfig", "reward_fn", "chat")
 
 
 @dataclass
@@ -58,7 +59,8 @@ def _call_factory(factory: Any, kwargs: dict[str, Any], ctx: WorkflowContext, wh
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    context = {"tokenizer": ctx.tokenizer, "gconfig": ctx.cfg.gconfig, "reward_fn": ctx.reward_fn}
+    context = {"tokenizer": ctx.tokenizer, "gconfig": ctx.cfg.gconfig, "reward_fn": ctx.reward_fn,
+               "chat": ctx.cfg.model}
     extra = {k: context[k] for k in INJECTABLE if k in params and k not in kwargs}
     try:
         return factory(**kwargs, **extra)
@@ -72,7 +74,8 @@ def _agent_workflow(agent: Any, cfg: AgentWorkflowConfig, ctx: WorkflowContext) 
     from asyncrl.proxy.workflow import AgentWorkflow
 
     try:
-        proxy = ProxyServer(ctx.engine, ctx.tokenizer, cfg.proxy, context_length=ctx.context_length)
+        proxy = ProxyServer(ctx.engine, ctx.tokenizer, cfg.proxy, context_length=ctx.context_length,
+                            chat=ctx.cfg.model)
         inner = AgentWorkflow(agent, proxy, cfg, eval_concurrency=ctx.cfg.eval.concurrency)
     except ValueError as err:
         raise UserError(f"workflow.path: {err}") from err
@@ -88,12 +91,14 @@ def _reward_workflow(reward_fn: RewardFn, ctx: WorkflowContext) -> RolloutWorkfl
     cfg = ctx.cfg
     if isinstance(cfg.workflow, MultiTurnWorkflowConfig):
         mt = MultiTurnConfig(**cfg.workflow.model_dump(exclude={"kind"}))
-        inner = MultiTurnWorkflow(reward_fn, cfg.gconfig, ctx.tokenizer, mt, eval_cfg=cfg.eval)
+        inner = MultiTurnWorkflow(reward_fn, cfg.gconfig, ctx.tokenizer, mt, eval_cfg=cfg.eval,
+                                  chat=cfg.model)
         return GroupedWorkflow(inner, cfg.gconfig.n_samples)
     if isinstance(cfg.workflow, (AgentWorkflowConfig, CustomWorkflowConfig)):
         raise UserError(f"a reward function drives the built-in workflows (workflow.kind rlvr "
                         f"or multi_turn); this config has workflow.kind={cfg.workflow.kind!r}")
-    return RLVRWorkflow(reward_fn, cfg.gconfig, ctx.tokenizer, eval_cfg=cfg.eval)
+    return RLVRWorkflow(reward_fn, cfg.gconfig, ctx.tokenizer, eval_cfg=cfg.eval, chat=cfg.model,
+                        reward_sees_reasoning=cfg.workflow.reward_sees_reasoning)
 
 
 def resolve_workflow(spec: Any, ctx: WorkflowContext, kwargs: dict[str, Any] | None = None,

@@ -9,11 +9,13 @@ is at fault, and servers answer it with a 400.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jinja2
 
 from asyncrl.api import GenerationConfig
+from asyncrl.models.chat_options import check_template_kwargs
 
 
 class ChatTemplateError(ValueError):
@@ -33,10 +35,16 @@ def stop_at_eos(gconfig: GenerationConfig, tokenizer: Any) -> GenerationConfig:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The chat template's text; `template_kwargs` are extra template variables (Qwen3's
+    `enable_thinking`, see ChatOptions), checked not to shadow apply_chat_template's own."""
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = tools
+    if template_kwargs:
+        check_template_kwargs(template_kwargs, "chat_template_kwargs")
+        kwargs.update(template_kwargs)
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except (jinja2.TemplateError, TypeError) as err:  # the messages' fault, not the caller's
@@ -45,9 +53,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
 
 
 def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
-                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of `messages` followed by the assistant generation prompt."""
-    return tokenizer.encode(render_chat(tokenizer, messages, True, tools), add_special_tokens=False)
+    text = render_chat(tokenizer, messages, True, tools, template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def encode_completion(tokenizer: Any, text: str) -> list[int]:

@@ -1,9 +1,13 @@
-"""Load a causal LM + tokenizer from a local HF directory; build the default tiny one on demand.
+"""Load a causal LM + tokenizer from a HF directory; build the default tiny one on demand.
 
-Only local directories are accepted (`local_files_only=True`): these machines have no hub access,
-and a typo in `model.path` should fail at once with the path in the message, not after a network
-timeout or with transformers' "is not a valid model identifier" hint about the hub. `model.path`
+`model.path` is a local directory or a hub id (`org/name`, at `model.revision`), which a job
+resolves once, at launch, into its snapshot directory in the HF cache (models/hub.py: offline
+with HF_HUB_OFFLINE=1); every loader then reads only that directory (`local_files_only=True`), so
+a typo in a local path fails at once naming the path, not after a network timeout. `model.path`
 unset means the embedded tiny model, built once into a cache directory keyed by its config.
+`trust_remote_code` reaches every loader (model, tokenizer, config); without it a directory whose
+model type needs its own Python code (`auto_map`) is a one-line error before transformers
+would ask on stdin.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import pydantic
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerFast)
 
-from asyncrl.config import Config
 from asyncrl.errors import UserError
+from asyncrl.models.chat_options import ChatOptions
 from asyncrl.models.hf_quiet import quiet_hf_progress
 from asyncrl.models.tiny import DTYPES, TinyModelConfig, build_tiny_model
 
@@ -39,12 +44,26 @@ class ModelLoadError(UserError):
     """The model directory is missing or is not a HF model directory; the message names the path."""
 
 
-class ModelConfig(Config):
-    """Which policy model to load; `path=None` means the embedded tiny model."""
+class ModelConfig(ChatOptions):
+    """Which policy model to load; `path=None` means the embedded tiny model. Its chat options
+    (chat_template_kwargs, reasoning_parser, tool_parser: models/chat_options.py) apply to every
+    prompt and reply of the job."""
 
+    # local HF model directory or hub id (org/name); None: the embedded tiny model
     path: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trust_remote_code: bool = False
+    revision: str | None = None  # of a hub id: branch, tag or commit; None: main
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype the weights are loaded in
+    trust_remote_code: bool = False  # allow the model's own Python code (HF auto_map)
+
+    @pydantic.model_validator(mode="after")
+    def _revision_of_a_hub_id(self) -> ModelConfig:
+        # only the obvious cases here: whether `org/name` is a local path depends on the
+        # machine the job runs on, which resolve_model_path checks at launch
+        if self.revision is not None and (self.path is None
+                                          or self.path.startswith(("/", ".", "~"))):
+            raise ValueError(f"revision={self.revision!r} applies to a hub id (org/name) only, "
+                             f"and path={self.path!r} is not one")
+        return self
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -52,7 +71,7 @@ def check_model_dir(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model dir {p} not found; expected a local HF model directory "
-                             "(config.json + *.safetensors); hub ids are not downloaded")
+                             "(config.json + *.safetensors) or a hub id (org/name)")
     if not p.is_dir():
         raise ModelLoadError(f"model dir {p} is a file, not a directory; expected a HF model "
                              "directory (config.json + *.safetensors)")
@@ -62,9 +81,52 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
+def resolve_model_path(path: str | Path, revision: str | None = None,
+                       setting: str = "model.path") -> Path:
+    """A local path as given (`~` expanded), or a hub id's snapshot directory in the HF cache.
+
+    Local paths are not checked here (a run or checkpoint directory is a valid input of
+    `asyncrl eval`); `check_model_dir` does that. `setting` names the option in errors.
+    """
+    from asyncrl.models.hub import HubCacheMiss, looks_local, snapshot_dir
+
+    if isinstance(path, Path) or looks_local(path):
+        if revision is not None:
+            raise ModelLoadError(f"{setting}={path}: revision={revision!r} applies to hub ids "
+                                 "(org/name) only, and this is a local path")
+        return Path(path).expanduser()
+    try:
+        return snapshot_dir(path, revision=revision, offline_vars=("TRANSFORMERS_OFFLINE",),
+                            setting=setting)
+    except HubCacheMiss as err:
+        raise ModelLoadError(str(err)) from err.__cause__
+
+
+def check_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """ModelLoadError when the directory's model type exists only as its own Python code
+    (config.json `auto_map`, a model_type transformers does not ship) and that code is not
+    trusted; transformers would otherwise stop and ask on stdin, or fail with a long hint."""
+    if trust_remote_code:
+        return
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader itself reports an unreadable config
+    auto_map = config.get("auto_map") or {}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if auto_map and config.get("model_type") not in CONFIG_MAPPING:
+        code = ", ".join(sorted({f"{str(v).split('.')[0]}.py" for v in auto_map.values()}))
+        raise ModelLoadError(
+            f"model dir {path}: model_type={config.get('model_type')!r} needs the directory's own "
+            f"code ({code}); set model.trust_remote_code=true (--trust-remote-code for "
+            "`asyncrl serve` / `asyncrl eval`) if you trust it")
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer saved in the local model directory `path`."""
     p = check_model_dir(path)
+    check_remote_code(p, trust_remote_code)
     has_vocab = any((p / f).is_file() for f in TOKENIZER_FILES) or any(p.glob("*.tiktoken"))
     if not has_vocab and not trust_remote_code:  # remote code may use its own file names
         raise ModelLoadError(f"model dir {p} has no tokenizer files; expected one of "
@@ -98,6 +160,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32",
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     p = check_model_dir(path)
+    check_remote_code(p, trust_remote_code)
     try:
         with quiet_hf_progress():
             model = AutoModelForCausalLM.from_pretrained(
@@ -158,8 +221,9 @@ def ensure_tiny_model(cfg: TinyModelConfig | None = None) -> Path:
 
 
 def resolve_model_dir(model: ModelConfig, tiny: TinyModelConfig | None = None) -> Path:
-    """`model.path` checked as a model directory, or the (built on demand) tiny model."""
+    """`model.path` (a hub id resolved to its cached snapshot) checked as a model directory,
+    or the (built on demand) tiny model."""
     if model.path is None:
         return ensure_tiny_model(tiny)
-    return check_model_dir(model.path)
+    return check_model_dir(resolve_model_path(model.path, model.revision))
 

@@ -47,18 +47,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class TinyModelConfig(Config):
     """Shape of the embedded tiny model; its hash names the cache directory it is built into."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = pydantic.Field(256, ge=8)
-    num_layers: int = pydantic.Field(8, ge=1)
-    num_heads: int = pydantic.Field(4, ge=1)
+    arch: Literal["qwen2", "llama"] = "qwen2"  # HF architecture of the embedded model
+    hidden_size: int = pydantic.Field(256, ge=8)  # width of the residual stream
+    num_layers: int = pydantic.Field(8, ge=1)  # decoder layers
+    num_heads: int = pydantic.Field(4, ge=1)  # attention (query) heads
+    # key/value heads (grouped-query attention when < num_heads)
     num_kv_heads: int = pydantic.Field(2, ge=1)
-    intermediate_size: int = pydantic.Field(768, ge=1)
+    intermediate_size: int = pydantic.Field(768, ge=1)  # MLP width
+    # longest sequence (prompt + completion)
     max_position_embeddings: int = pydantic.Field(1024, ge=16)
-    rope_theta: float = pydantic.Field(10000.0, gt=0)
-    tie_word_embeddings: bool = True
+    rope_theta: float = pydantic.Field(10000.0, gt=0)  # RoPE base frequency
+    tie_word_embeddings: bool = True  # the output head shares the embeddings
     vocab_multiple: int = pydantic.Field(64, ge=1)  # pad the embedding rows for aligned matmuls
-    seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0  # the random initial weights
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype of the saved weights
 
     @pydantic.model_validator(mode="after")
     def _check_head_shapes(self) -> TinyModelConfig:

@@ -39,9 +39,10 @@ def _call_key(call: dict[str, Any]) -> tuple[str, str]:
 
 
 def _matches(earlier: Completion, messages: list[dict[str, Any]],
-             tools: list[dict[str, Any]] | None) -> bool:
+             tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any]) -> bool:
     k = len(earlier.messages or [])
-    if earlier.messages is None or len(messages) <= k or earlier.tools != tools:
+    if earlier.messages is None or len(messages) <= k or earlier.tools != tools \
+            or earlier.template_kwargs != template_kwargs:
         return False
     head = [normalise_message(m) for m in messages[:k + 1]]
     reply = normalise_message({"role": "assistant", **earlier.message})
@@ -50,16 +51,20 @@ def _matches(earlier: Completion, messages: list[dict[str, Any]],
 
 def build_prompt(tokenizer: Any, messages: list[dict[str, Any]],
                  tools: list[dict[str, Any]] | None,
-                 history: list[Completion]) -> tuple[list[int], Completion | None, int]:
-    """(prompt ids, the completion they continue or None, drift vs naive re-rendering)."""
-    full_text = render_chat(tokenizer, messages, True, tools)
+                 history: list[Completion], template_kwargs: dict[str, Any] | None = None,
+                 ) -> tuple[list[int], Completion | None, int]:
+    """(prompt ids, the completion they continue or None, drift vs naive re-rendering);
+    `template_kwargs`: the chat template variables (ChatOptions.template_kwargs)."""
+    template_kwargs = template_kwargs or {}
+    full_text = render_chat(tokenizer, messages, True, tools, template_kwargs)
     naive = tokenizer.encode(full_text, add_special_tokens=False)
     eos_text = tokenizer.eos_token or ""
     # Longest reusable conversation first; among equals the latest.
     for earlier in sorted(history, key=lambda c: (len(c.messages or []), c.turn), reverse=True):
-        if not _matches(earlier, messages, tools):
+        if not _matches(earlier, messages, tools, template_kwargs):
             continue
-        upto = render_chat(tokenizer, messages[:len(earlier.messages) + 1], False, tools)
+        upto = render_chat(tokenizer, messages[:len(earlier.messages) + 1], False, tools,
+                           template_kwargs)
         end = upto.rfind(eos_text) if eos_text else -1
         if end < 0 or not full_text.startswith(upto):
             continue

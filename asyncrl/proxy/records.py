@@ -27,6 +27,9 @@ class Completion:
     message: dict[str, Any]  # what the client got back: the assistant message or {"text": ...}
     parent: str | None = None  # the completion whose prompt + output this prompt starts with
     retokenize_drift: int = 0  # prompt positions where re-rendering the chat would differ
+    # the chat template variables the prompt was rendered with (a later turn reuses this
+    # prompt only when rendered with the same ones)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def sample(self, reward: float) -> Sample:
         return Sample.from_prompt_and_completion(

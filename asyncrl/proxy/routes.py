@@ -1,9 +1,12 @@
 """The OpenAI-compatible endpoints of the proxy: generate through the engine, record, answer.
 
 Each of the `n` choices is one engine request. The reply text is decoded from the exact sampled
-ids (cut before a stop string, as OpenAI does); with `tools` in the request, tool-call text is
-parsed into `tool_calls` (malformed calls stay plain content). Streaming replays the finished
-choices as SSE chunks: the engine protocol returns whole sequences, and recording needs them anyway.
+ids (cut before a stop string, as OpenAI does) and read with the model's chat options: `<think>`
+reasoning becomes `reasoning_content`, and with `tools` in the request the model's tool-call
+format (`model.tool_parser`) becomes `tool_calls` (malformed calls stay plain content). The
+prompt is rendered with `model.chat_template_kwargs` under the request's own. Streaming replays
+the finished choices as SSE chunks: the engine protocol returns whole sequences, and recording
+needs them anyway.
 """
 
 from __future__ import annotations
@@ -16,21 +19,22 @@ from typing import Any
 
 from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, ModelResponse
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, OpenAISampling
-from asyncrl.inference.openai_routes import FINISH, TextTracker, sse, usage
+from asyncrl.inference.openai_routes import FINISH, TextTracker, replay_chat, sse, usage
 from asyncrl.models.chat import stop_at_eos
+from asyncrl.models.chat_options import ChatOptions
 from asyncrl.proxy.config import ProxyConfig
 from asyncrl.proxy.errors import SessionEndedError
 from asyncrl.proxy.prompt_reuse import build_prompt
 from asyncrl.proxy.records import Completion, Session, SessionStatus
-from asyncrl.proxy.tool_calls import parse_tool_calls
 
-STREAM_PIECE = 16  # characters of content per streamed chunk
+stream_chat = replay_chat  # a finished chat completion as SSE chunks (shared with the server)
 
 
 class ProxyRoutes:
     def __init__(self, engine: InferenceEngine, tokenizer: Any, cfg: ProxyConfig,
-                 context_length: int | None) -> None:
+                 context_length: int | None, chat: ChatOptions | None = None) -> None:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.chat_options = chat or ChatOptions()
         self.context_length = context_length
         self.stats = {"completions": 0, "reused_prompts": 0, "prompt_drift_tokens": 0,
                       "tool_calls": 0, "malformed_tool_calls": 0}
@@ -72,27 +76,26 @@ class ProxyRoutes:
     async def chat(self, session: Session, body: ChatCompletionBody) -> dict[str, Any]:
         require_active(session)
         messages, tools = body.message_dicts(), body.tool_dicts()
+        template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
         prompt, parent, drift = build_prompt(self.tokenizer, messages, tools,
-                                             list(session.completions.values()))
+                                             list(session.completions.values()), template_kwargs)
         g = self.gconfig(body, self.budget(len(prompt), body.requested_max_tokens()))
         outs = await self.generate([prompt], g, body.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         parse = bool(body.tools) and body.tool_choice != "none"
         records, choices = [], []
         for i, out in enumerate(outs):
-            text = self.text(out, g.stop)
-            content, calls = parse_tool_calls(text) if parse else (text, None)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            self.stats["tool_calls"] += len(calls or [])
-            self.stats["malformed_tool_calls"] += parse and calls is None and "<tool_call>" in text
+            reply = self.chat_options.read_reply(self.text(out, g.stop), parse, template_kwargs)
+            message = reply.message()
+            self.stats["tool_calls"] += len(reply.tool_calls or [])
+            self.stats["malformed_tool_calls"] += reply.malformed_tool_call
             records.append(self.record(session, rid, i, body.n, prompt, out, message,
-                                       messages, tools, parent, drift))
+                                       messages, tools, parent, drift, template_kwargs))
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": self.chat_logprobs(out)} if body.logprobs
                             else None,
-                            "finish_reason": "tool_calls" if calls else FINISH[out.stop_reason]})
+                            "finish_reason": "tool_calls" if reply.tool_calls
+                            else FINISH[out.stop_reason]})
         session.add_turn(records)
         self.stats["reused_prompts"] += parent is not None
         self.stats["prompt_drift_tokens"] += drift
@@ -102,14 +105,15 @@ class ProxyRoutes:
 
     def record(self, session: Session, rid: str, i: int, n: int, prompt: list[int],
                out: ModelResponse, message: dict[str, Any], messages: list[dict] | None,
-               tools: list[dict] | None, parent: Completion | None, drift: int) -> Completion:
+               tools: list[dict] | None, parent: Completion | None, drift: int,
+               template_kwargs: dict[str, Any] | None = None) -> Completion:
         self.stats["completions"] += 1
         return Completion(id=rid if n == 1 else f"{rid}:{i}", turn=len(session.turns),
                           prompt_ids=list(prompt), output_ids=list(out.output_tokens),
                           logprobs=list(out.output_logprobs), versions=list(out.output_versions),
                           stop_reason=out.stop_reason, messages=messages, tools=tools,
                           message=message, parent=parent.id if parent else None,
-                          retokenize_drift=drift)
+                          retokenize_drift=drift, template_kwargs=template_kwargs or {})
 
     def chat_logprobs(self, out: ModelResponse) -> list[dict]:
         toks = [self.tokenizer.decode([t]) for t in out.output_tokens]
@@ -155,29 +159,6 @@ def continued(prompt: list[int], history: list[Completion]) -> Completion | None
             if best is None or len(head) > len(best.prompt_ids) + len(best.output_ids):
                 best = c
     return best
-
-
-def stream_chat(reply: dict[str, Any], include_usage: bool) -> Iterator[str]:
-    """A finished chat completion as OpenAI `chat.completion.chunk` events, then [DONE]."""
-    head = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"],
-            "model": reply["model"]}
-
-    def chunk(i: int, delta: dict, finish: str | None = None, logprobs: Any = None) -> str:
-        return sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish}]})
-
-    for choice in reply["choices"]:
-        i, msg = choice["index"], choice["message"]
-        yield chunk(i, {"role": "assistant", "content": ""})
-        content = msg.get("content") or ""
-        for start in range(0, len(content), STREAM_PIECE):
-            yield chunk(i, {"content": content[start:start + STREAM_PIECE]})
-        for j, call in enumerate(msg.get("tool_calls") or []):
-            yield chunk(i, {"tool_calls": [{"index": j, **call}]})
-        yield chunk(i, {}, choice["finish_reason"], choice["logprobs"])
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": reply["usage"]})
-    yield "data: [DONE]\n\n"
 
 
 def stream_completion(reply: dict[str, Any]) -> Iterator[str]:

@@ -24,6 +24,7 @@ from asyncrl.api import InferenceEngine
 from asyncrl.inference.http_errors import InternalErrors, install_error_handlers
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, StrictBody
 from asyncrl.inference.server import BodyLimit
+from asyncrl.models.chat_options import ChatOptions
 from asyncrl.proxy.config import ProxyConfig
 from asyncrl.proxy.errors import AuthError, CapacityError, NotFoundError, SessionEndedError
 from asyncrl.proxy.routes import ProxyRoutes, stream_chat, stream_completion
@@ -46,12 +47,13 @@ def bearer(authorization: str | None) -> str | None:
 class ProxyServer:
     def __init__(self, engine: InferenceEngine, tokenizer: Any, cfg: ProxyConfig | None = None,
                  admission: Callable[[], int] | None = None,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, chat: ChatOptions | None = None) -> None:
         self.cfg = cfg or ProxyConfig()
         self.admin_key = self.cfg.admin_key or f"sk-admin-{secrets.token_hex(24)}"
         self.store = SessionStore(self.admin_key, self.cfg.session_timeout_s,
                                   self.cfg.max_sessions, admission)
-        self.routes = ProxyRoutes(engine, tokenizer, self.cfg, context_length)
+        # chat: the model's template variables and reply parsers (ModelConfig is one)
+        self.routes = ProxyRoutes(engine, tokenizer, self.cfg, context_length, chat)
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None

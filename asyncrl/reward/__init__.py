@@ -2,11 +2,14 @@
 
 - `exact`, `math_verify`, `code`: checks of (response text, reference) -> float.
 - `call`: `RewardFn(completion_text, row)`, sync or async, as workflows and eval call it
-  (`call_reward`), and `answer_reward` adapting a (response, answer) check to it.
-- `registry`: rewards by name for configs and the CLI (`exact`, `digits`, `math`, or a dotted
-  path), each opened as a context manager (`open_reward`).
+  (`call_reward`: sync ones off the event loop unless marked `inline`; `call_rewards` for a
+  group), and `answer_reward` adapting a (response, answer) check to it.
+- `config`, `registry`: rewards by name or typed config for configs and the CLI (`exact`,
+  `digits`, `math`, `code`, a dotted path, `trl:<path>`, `{kind: judge, ...}`), each opened as a
+  context manager (`open_reward`).
+- `judge`, `judge_config`: a model-judged reward; `trl_adapter`: TRL GRPOTrainer reward functions.
 - `returns`: discounted returns over turns, shared by multi-turn workflows and proxy sessions.
-- `pool`, `sandbox`, `sandbox_launcher`: running rewards in worker processes / a sandbox.
+- `pool`, `pooled`, `sandbox`, `sandbox_launcher`: running rewards in worker processes / a sandbox.
 
 Importing any of `call`, `registry`, `returns` or this package stays light (no torch).
 """

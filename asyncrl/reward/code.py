@@ -16,9 +16,11 @@ Call it through a RewardPool: it blocks for up to wall_seconds per test.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from asyncrl.reward.sandbox import (
     SandboxLimits,
@@ -78,3 +80,50 @@ def code_reward(
         raise ValueError("tests=[]: need at least one {'input': ..., 'output': ...} test")
     outcomes = run_tests(program, tests, limits)
     return 1.0 if len(outcomes) == len(tests) and all(o.passed for o in outcomes) else 0.0
+
+
+def row_tests(row: Mapping[str, Any], field: str = "tests") -> list[dict[str, str]]:
+    """The {"input", "output"} tests in `row[field]`: a list of them, that list as JSON, or the
+    APPS / TACO `{"inputs": [...], "outputs": [...]}` form (a dict or its JSON)."""
+    if field not in row:
+        raise ValueError(f"row id={row.get('id')!r} has no {field!r} field for the code reward "
+                         f"(reward.tests_field); its fields: {sorted(row)}")
+    value = row[field]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"row id={row.get('id')!r}: {field} is a string but not JSON: "
+                             f"{err}") from None
+    if isinstance(value, Mapping) and "inputs" in value and "outputs" in value:
+        if len(value["inputs"]) != len(value["outputs"]):
+            raise ValueError(f"row id={row.get('id')!r}: {field} has {len(value['inputs'])} "
+                             f"inputs but {len(value['outputs'])} outputs")
+        value = [{"input": i, "output": o} for i, o in zip(value["inputs"], value["outputs"])]
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise ValueError(f"row id={row.get('id')!r}: {field}={str(value)[:200]!r}; expected a "
+                         "list of {'input', 'output'} or {'inputs': [...], 'outputs': [...]}")
+    return [{"input": _as_text(t.get("input")), "output": _as_text(t.get("output"))}
+            for t in value]
+
+
+def _as_text(value: Any) -> str:
+    # APPS stores some stdin / stdout as lists of lines
+    if isinstance(value, list):
+        return "\n".join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def code_reward_with_note(program: str, tests: Sequence[Mapping[str, str]],
+                          limits: SandboxLimits | None = None) -> tuple[float, str]:
+    """`code_reward`, with a note saying how the first failing test ended (for the log and
+    `RewardOutcome.note`): "passed (3 tests)", "wrong output (test 1)", "timeout (test 0)"."""
+    if not tests:
+        raise ValueError("tests=[]: need at least one {'input': ..., 'output': ...} test")
+    outcomes = run_tests(program, tests, limits)
+    for index, outcome in enumerate(outcomes):
+        if not outcome.passed:
+            how = ("wrong output" if outcome.result.status is SandboxStatus.OK
+                   else outcome.result.status.value)
+            return 0.0, f"{how} (test {index})"
+    return 1.0, f"passed ({len(tests)} tests)"

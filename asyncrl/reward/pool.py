@@ -68,6 +68,9 @@ class RewardOutcome:
     status: RewardStatus
     latency_seconds: float  # from the call to the answer, waiting for a free worker included
     error: str | None = None
+    # What the function said about an OK score, when it returned (score, note): e.g. the code
+    # reward's "test 2: timeout", so a sandbox limit is told apart from a wrong answer.
+    note: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,8 @@ class RewardPool:
         if not ok:
             logger.error("reward %s raised; scored 0.0\n%s", name, payload)
             return self._finish(start, "errors", RewardStatus.ERROR, payload)
-        return self._finish(start, None, RewardStatus.OK, None, payload)
+        score, note = payload
+        return self._finish(start, None, RewardStatus.OK, None, score, note)
 
     def stats(self) -> RewardPoolStats:
         with self._lock:
@@ -179,14 +183,14 @@ class RewardPool:
             mean = self._latency_total / calls if calls else 0.0
             return RewardPoolStats(**self._counts, mean_latency_seconds=mean)
 
-    def _finish(self, start, counter, status, error, score=0.0) -> RewardOutcome:
+    def _finish(self, start, counter, status, error, score=0.0, note=None) -> RewardOutcome:
         latency = time.monotonic() - start
         with self._lock:
             self._counts["calls"] += 1
             if counter:
                 self._counts[counter] += 1
             self._latency_total += latency
-        return RewardOutcome(score, status, latency, error)
+        return RewardOutcome(score, status, latency, error, note)
 
     def _acquire(self) -> _Worker:
         while True:
@@ -357,10 +361,17 @@ def _worker_main(conn: Any, preload: list[str], die_with_parent: bool) -> None:
             return
         fn, args, kwargs = message
         try:
-            reply = (True, _as_score(fn(*args, **kwargs)))
+            reply = (True, _scored(fn(*args, **kwargs)))
         except Exception:  # the pool logs and counts it
             reply = (False, traceback.format_exc())
         conn.send(reply)
+
+
+def _scored(value: Any) -> tuple[float, str | None]:
+    """A function's result as (score, note): a float, or a (float, str) pair."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
+        return _as_score(value[0]), value[1]
+    return _as_score(value), None
 
 
 def _as_score(value: Any) -> float:

@@ -15,13 +15,16 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 
 from asyncrl.api import EvalReport, GenerationConfig, InferenceEngine, ModelRequest
 from asyncrl.config import Config
 from asyncrl.reward.call import RewardFn, call_reward
+
+if TYPE_CHECKING:
+    from asyncrl.models.chat_options import ChatOptions
 
 CORRECT_THRESHOLD = 0.5
 
@@ -34,7 +37,7 @@ class EvalConfig(Config):
     num_samples: int | None = pydantic.Field(
         None, ge=1, description="samples per problem for pass@k; None = max(pass_k)")
     temperature: float = pydantic.Field(1.0, gt=0, description="sampling temperature for pass@k")
-    max_new_tokens: int = pydantic.Field(16, ge=1)
+    max_new_tokens: int = pydantic.Field(16, ge=1)  # generation limit of an eval answer
     seed: int = pydantic.Field(0, ge=0, description="base of the per-sample seeds")
     concurrency: int = pydantic.Field(256, ge=1, description="requests in flight at once")
 
@@ -128,6 +131,8 @@ async def evaluate(
     reward_fn: RewardFn,
     cfg: EvalConfig,
     on_progress: Callable[[int, int], None] | None = None,
+    chat: ChatOptions | None = None,
+    reward_sees_reasoning: bool = False,
 ) -> EvalResult:
     """Score every row in `rows` (callers pick the subset, e.g. `eval_rows()[:cfg.size]`).
 
@@ -135,14 +140,21 @@ async def evaluate(
     request. At most `cfg.concurrency` requests are in flight, run by that many worker coroutines
     pulling from one job stream, so 10k problems never become 80k pending coroutines.
     `on_progress(done, total)` is called each time a problem's last request finishes.
+    `chat` (the model's ChatOptions): template variables for the prompts and, with a reasoning
+    parser, the answer after the reasoning is what the reward reads (as in training).
     """
     from asyncrl.models.chat import encode_chat_prompt, stop_at_eos  # asyncrl.models: torch
+    from asyncrl.models.chat_options import ChatOptions
+
+    chat = chat or ChatOptions()
+    kwargs = chat.template_kwargs()
 
     if not rows:
         raise ValueError("evaluate: rows is empty; need at least one problem")
     start = time.perf_counter()
     n = cfg.samples_per_problem
-    prompts = [encode_chat_prompt(tokenizer, row["messages"]) for row in rows]
+    prompts = [encode_chat_prompt(tokenizer, row["messages"], template_kwargs=kwargs)
+               for row in rows]
     greedy = stop_at_eos(GenerationConfig(greedy=True, max_new_tokens=cfg.max_new_tokens),
                          tokenizer)
     sampled = stop_at_eos(GenerationConfig(temperature=cfg.temperature,
@@ -162,7 +174,8 @@ async def evaluate(
         except ValueError as err:  # the engine refused this prompt (too long, bad ids)
             raise ValueError(f"eval problem {row_id}: {err}") from err
         text = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-        reward = await call_reward(reward_fn, text, rows[i])
+        answer = chat.reward_text(text, reward_sees_reasoning, kwargs)
+        reward = await call_reward(reward_fn, answer, rows[i])
         if j < 0:
             greedy_text[i], greedy_reward[i] = text, reward
         else:

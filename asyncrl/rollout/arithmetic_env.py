@@ -13,6 +13,7 @@ from gymnasium import spaces
 
 from asyncrl.api import AgentAction, GenerationConfig, InferenceEngine, ModelRequest
 from asyncrl.models.chat import encode_chat_prompt, stop_at_eos
+from asyncrl.models.chat_options import ChatOptions
 from asyncrl.reward.exact import exact_answer_reward
 
 CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n"
@@ -36,8 +37,12 @@ class ArithmeticEnv:
 
 
 class ChatAgent:
-    def __init__(self, tokenizer: Any, gconfig: GenerationConfig) -> None:
+    def __init__(self, tokenizer: Any, gconfig: GenerationConfig,
+                 chat: ChatOptions | None = None) -> None:
+        """`chat`: the model's chat options; its reasoning parser keeps `<think>` text out of
+        the action the environment scores (the response keeps every sampled token)."""
         self.tokenizer = tokenizer
+        self.chat = chat or ChatOptions()
         self.gconfig = stop_at_eos(gconfig.replace(n_samples=1), tokenizer)
         self.messages: list[dict[str, str]] = []
 
@@ -46,8 +51,10 @@ class ChatAgent:
 
     async def act(self, engine: InferenceEngine, observation: str) -> AgentAction:
         self.messages.append({"role": "user", "content": observation})
-        prompt = encode_chat_prompt(self.tokenizer, self.messages)
+        kwargs = self.chat.template_kwargs()
+        prompt = encode_chat_prompt(self.tokenizer, self.messages, template_kwargs=kwargs)
         resp = await engine.agenerate(ModelRequest(input_ids=prompt, gconfig=self.gconfig))
         text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": text})
-        return AgentAction(action=text, response=resp)
+        answer = self.chat.reward_text(text, False, kwargs)
+        self.messages.append({"role": "assistant", "content": answer})
+        return AgentAction(action=answer, response=resp)

@@ -49,6 +49,7 @@ AcceptFn = Callable[[Trajectory], bool]
 
 class RolloutConfig(Config):
     batch_size: int = pydantic.Field(16, ge=1)  # trajectories consumed per policy version
+    # episodes in flight at once (the engines' load)
     max_concurrent_rollouts: int = pydantic.Field(64, ge=1)
     max_head_offpolicyness: int = pydantic.Field(0, ge=0)  # eta; 0 = synchronous
     dump_dir: str | None = None  # JSONL of every accepted trajectory, one file per version

@@ -21,39 +21,51 @@ from asyncrl.api import (EvalReport, GenerationConfig, InferenceEngine, ModelReq
 from asyncrl.api.trajectory import PROMPT_VERSION
 from asyncrl.config import Config
 from asyncrl.models.chat import encode_chat_prompt, render_chat, stop_at_eos
+from asyncrl.models.chat_options import ChatOptions
 from asyncrl.reward.call import RewardFn, call_reward
 from asyncrl.reward.returns import discounted_returns
 from asyncrl.rollout.answer_eval import EvalConfig, evaluate
 
 
 class MultiTurnConfig(Config):
-    max_turns: int = pydantic.Field(3, ge=1)
+    max_turns: int = pydantic.Field(3, ge=1)  # answers per episode (retries after wrong feedback)
+    # each turn's return is its reward plus this times the next turn's return
     turn_discount: float = pydantic.Field(0.9, ge=0.0, le=1.0)
+    # a turn's reward is ((success - 0.5) * 2 - reward_bias) * reward_scaling
     reward_scaling: float = pydantic.Field(1.0, gt=0.0)
-    reward_bias: float = 0.0
-    correct_feedback: str = "Correct."
-    wrong_feedback: str = "Wrong, try again."
+    reward_bias: float = 0.0  # see reward_scaling
+    correct_feedback: str = "Correct."  # the user turn after a right answer
+    wrong_feedback: str = "Wrong, try again."  # the user turn after a wrong answer
+    # with model.reasoning_parser set, the reward reads only the answer after the reasoning;
+    # true: the whole reply (a reward on the reasoning's form or length)
+    reward_sees_reasoning: bool = False
 
 
 class MultiTurnWorkflow:
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
-                 cfg: MultiTurnConfig | None = None, eval_cfg: EvalConfig | None = None) -> None:
+                 cfg: MultiTurnConfig | None = None, eval_cfg: EvalConfig | None = None,
+                 chat: ChatOptions | None = None) -> None:
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
         self.cfg = cfg or MultiTurnConfig()
+        self.chat = chat or ChatOptions()  # the model's template variables and parsers
         self.gconfig = stop_at_eos(gconfig.replace(n_samples=1), tokenizer)
         self.eval_cfg = eval_cfg or EvalConfig()
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
         """First-answer accuracy (greedy, pass@k): what the retries are trained to raise."""
-        result = await evaluate(engine, self.tokenizer, rows, self.reward_fn, self.eval_cfg)
+        result = await evaluate(engine, self.tokenizer, rows, self.reward_fn, self.eval_cfg,
+                                chat=self.chat,
+                                reward_sees_reasoning=self.cfg.reward_sees_reasoning)
         return result.report()
 
     def feedback_ids(self, text: str) -> list[int]:
-        rendered = "\n" + render_chat(self.tokenizer, [{"role": "user", "content": text}])
+        rendered = "\n" + render_chat(self.tokenizer, [{"role": "user", "content": text}],
+                                      template_kwargs=self.chat.template_kwargs())
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
-        ids = encode_chat_prompt(self.tokenizer, data["messages"])
+        kwargs = self.chat.template_kwargs()
+        ids = encode_chat_prompt(self.tokenizer, data["messages"], template_kwargs=kwargs)
         mask, logps, vers = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
         turn_rewards, turn_ends, texts, resp = [], [], [], None
         for turn in range(self.cfg.max_turns):
@@ -65,7 +77,8 @@ class MultiTurnWorkflow:
             turn_ends.append(len(ids) - 1)
             text = self.tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
             texts.append(text)
-            success = await call_reward(self.reward_fn, text, data)
+            answer = self.chat.reward_text(text, self.cfg.reward_sees_reasoning, kwargs)
+            success = await call_reward(self.reward_fn, answer, data)
             turn_rewards.append(((success - 0.5) * 2 - self.cfg.reward_bias)
                                 * self.cfg.reward_scaling)
             if success >= 1.0 or turn == self.cfg.max_turns - 1:

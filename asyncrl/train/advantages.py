@@ -152,17 +152,22 @@ def gae_advantages(
 
 
 class AdvantageConfig(Config):
-    estimator: Estimator = "grpo"
-    std_eps: float = pydantic.Field(1e-6, gt=0.0)
+    estimator: Estimator = "grpo"  # how advantages are computed from rewards (gae: with the critic)
+    std_eps: float = pydantic.Field(1e-6, gt=0.0)  # added to the group's reward std before dividing
     gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
     lam: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
+    # rewards become clip((r - reward_bias) * reward_scale, -reward_clip, reward_clip)
     reward_scale: float = pydantic.Field(1.0, gt=0.0)
-    reward_bias: float = 0.0
+    reward_bias: float = 0.0  # subtracted from every reward first
+    # None: no clipping
     reward_clip: float | None = pydantic.Field(None, gt=0.0)
     # DAPO soft overlong punishment; None disables. max_len is the generation limit (new tokens).
     overlong_buffer_len: int | None = pydantic.Field(None, ge=1)
+    # the generation limit the soft penalty counts back from
     overlong_max_len: int | None = pydantic.Field(None, ge=1)
+    # the penalty at max_len, growing linearly over the buffer
     overlong_penalty_factor: float = pydantic.Field(1.0, ge=0.0)
+    # a completion cut at max_new_tokens: kept, its reward set to 0, or its loss masked
     truncated: TruncationMode = "keep"
 
     @pydantic.model_validator(mode="after")

@@ -77,12 +77,13 @@ class CriticEngine(HFTrainEngine):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, cfg: TrainEngineConfig | None = None, dtype: str = "float32"
+        cls, path: str | Path, cfg: TrainEngineConfig | None = None, dtype: str = "float32",
+        trust_remote_code: bool = False,
     ) -> CriticEngine:
         """A critic initialised from a policy / reward checkpoint's body and a fresh head."""
         from asyncrl.models.loading import load_causal_lm
 
-        return cls(ValueModel(load_causal_lm(path, dtype=dtype)), cfg)
+        return cls(ValueModel(load_causal_lm(path, dtype, trust_remote_code)), cfg)
 
     def _token_outputs(self, mb: PackedMicroBatch, with_entropy: bool
                        ) -> tuple[torch.Tensor, None]:

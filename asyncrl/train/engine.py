@@ -27,6 +27,8 @@ from asyncrl.train.aggregation import sequence_count
 from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.train.regularizers import entropy_from_logits
 from asyncrl.train.losses import sft_loss
+from asyncrl.train.lora import (LoraConfig, adapter_state_dict, apply_lora, lora_enabled,
+                                merged_state_dict)
 from asyncrl.train.optim import OptimizerConfig, build_optimizer
 from asyncrl.train.packing import (
     PackedMicroBatch,
@@ -51,6 +53,7 @@ MicroBatchLossFn = Callable[
 
 
 class TrainEngineConfig(Config):
+    # micro-batch size in tokens (sequences are packed)
     max_tokens_per_mb: int = pydantic.Field(1024, ge=1)
     # How a micro-batch's samples reach the model. "packed": one row with restarting
     # position_ids (no padding; flash-attention derives varlen offsets from them, but SDPA and
@@ -69,12 +72,15 @@ class TrainEngineConfig(Config):
     # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype.
     # Under FSDP bf16 also gathers the weights in bf16 (fsdp.mixed_precision).
     autocast_dtype: Literal["none", "bfloat16"] = "none"
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
     # Must equal the sampling temperature, or the importance ratio of an unchanged policy != 1.
     temperature: float = pydantic.Field(1.0, gt=0.0)
     # False: forward-only engine (reference model), no optimizer state is allocated.
     trainable: bool = True
     device: str | None = pydantic.Field(None, description="None = cuda if available, else cpu")
+    # LoRA (train/lora.py): None trains every weight; set, only the adapter trains and only the
+    # adapter is pushed to the engines
+    lora: LoraConfig | None = None
 
 
 def sft_token_loss(
@@ -103,6 +109,10 @@ class HFTrainEngine:
             and "flash" not in str(getattr(model.config, "_attn_implementation", "")))
         self.share_prefixes = (self.padded and self.cfg.share_prefixes
                                and not self.cfg.gradient_checkpointing)
+        # a forward-only engine (the reference) is the base model: no adapter
+        self.lora = self.cfg.lora if self.cfg.trainable and lora_enabled(self.cfg.lora) else None
+        if self.lora is not None:
+            model = apply_lora(model, self.lora)  # before sharding: FSDP shards A and B too
         self.model = self._prepare_model(model)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -119,11 +129,12 @@ class HFTrainEngine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, cfg: TrainEngineConfig | None = None, dtype: str = "float32"
+        cls, path: str | Path, cfg: TrainEngineConfig | None = None, dtype: str = "float32",
+        trust_remote_code: bool = False,
     ) -> HFTrainEngine:
         from asyncrl.models.loading import load_causal_lm
 
-        return cls(load_causal_lm(path, dtype=dtype), cfg)
+        return cls(load_causal_lm(path, dtype, trust_remote_code), cfg)
 
     # --- hooks a distributed subclass overrides -------------------------------------------
     world_size = 1
@@ -169,8 +180,21 @@ class HFTrainEngine:
         return load_checkpoint(self, path)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights; on one process simply the model's state dict."""
-        return {k: v.detach() for k, v in self.model.state_dict().items()}
+        """Full (unsharded) weights with HF names; on one process simply the model's state
+        dict (with LoRA: the base merged with the adapter)."""
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        return merged_state_dict(state, self.lora.scale) if self.lora is not None else state
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter (PEFT names), unsharded on every rank; collective under FSDP."""
+        if self.lora is None:
+            raise ValueError("adapter_state_dict on an engine without train.lora")
+        return adapter_state_dict(self.model)
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """What the inference engines are sent: the adapter with LoRA, else the full weights
+        (collective under FSDP)."""
+        return self.adapter_state_dict() if self.lora is not None else self.model_state_dict()
 
     # --- compute ----------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:

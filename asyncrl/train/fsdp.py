@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
+from asyncrl.train.lora import merged_state_dict
 from asyncrl.train.packing import balanced_partition
 
 
@@ -42,7 +43,10 @@ def init_distributed() -> None:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a HF causal LM (Llama/Qwen2 layout: model.model.layers)."""
+    """The repeated blocks of a HF causal LM (Llama/Qwen2 layout: model.model.layers), also
+    inside a PEFT wrapper."""
+    if hasattr(model, "get_base_model"):  # PeftModel: its layers are the wrapped model's
+        model = model.get_base_model()
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -124,4 +128,5 @@ class FSDPTrainEngine(HFTrainEngine):
         return get_model_state_dict(self.model, options=opts)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.full_state_dict()
+        state = self.full_state_dict()
+        return merged_state_dict(state, self.lora.scale) if self.lora is not None else state

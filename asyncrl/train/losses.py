@@ -49,6 +49,7 @@ def sft_loss(
 
 
 class PPOLossConfig(Config):
+    # PPO clip range of the policy ratio: [1 - eps, 1 + eps]
     eps_clip: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
     # DAPO clip-higher: a wider upper bound lets low-probability tokens grow (keeps entropy up).
     eps_clip_higher: float | None = pydantic.Field(None, gt=0.0)
@@ -58,17 +59,19 @@ class PPOLossConfig(Config):
     # None trusts the raw weight. cap: truncated IS; mask: masked IS; icepop: two-sided masking
     # (also below behav_imp_weight_floor, default 1 / cap).
     behav_imp_weight_cap: float | None = pydantic.Field(None, gt=1.0)
+    # how the bound on pi_prox / pi_behav is applied (see above)
     behav_imp_weight_mode: Literal["cap", "mask", "icepop"] = "cap"
+    # icepop: weights below this are masked (None: 1 / cap)
     behav_imp_weight_floor: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
     # token: one weight per token; sequence: per sequence (geometric mean); None: ratio_level's
     behav_imp_weight_level: Literal["token", "sequence"] | None = None
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
     # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE (corrections.py)
     policy_objective: Literal["ppo", "cispo"] = "ppo"
-    loss_agg: LossAgg = "token_mean"
-    entropy_coef: float = pydantic.Field(0.0, ge=0.0)
-    kl_coef: float = pydantic.Field(0.0, ge=0.0)
-    kl_kind: KLKind = "k3"
+    loss_agg: LossAgg = "token_mean"  # how token losses become one number (see aggregation.py)
+    entropy_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the entropy bonus; 0 off
+    kl_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the KL to the reference policy; 0 off
+    kl_kind: KLKind = "k3"  # estimator of the per-token KL
     # "reward": the trainer subtracts kl_coef * KL from token rewards (regularizers.kl_reward)
     # before advantages; "loss": ppo_actor_loss adds kl_coef * KL with gradient.
     kl_as: Literal["reward", "loss"] = "loss"

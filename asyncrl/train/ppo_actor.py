@@ -45,7 +45,7 @@ class PPOActorConfig(Config):
     # The policy loss: "ppo" (losses.PPOLoss with `ppo` above) or a user's `package.module:obj`
     # implementing api.PolicyLoss; a class (or factory) there is called with `loss_kwargs`.
     loss: str = pydantic.Field("ppo", description="ppo | package.module:LossClassOrFunction")
-    loss_kwargs: dict[str, Any] = {}
+    loss_kwargs: dict[str, Any] = {}  # keyword arguments of a user's loss class or factory
 
     @pydantic.model_validator(mode="after")
     def _kwargs_for_a_user_loss(self) -> PPOActorConfig:

@@ -88,6 +88,8 @@ PROXIMAL_SOURCES: dict[str, Callable[..., torch.Tensor]] = {
 
 
 class ProximalConfig(Config):
+    # the proximal policy's logprobs: a forward pass (recompute), interpolated between behaviour and
+    # current (loglinear), or the behaviour's
     proximal_logprobs: ProximalSource = "recompute"
 
     @property

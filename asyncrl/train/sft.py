@@ -26,19 +26,19 @@ from asyncrl.train.sft_conversation import conversation_ids
 
 
 class SFTConfig(Config):
-    steps: int = pydantic.Field(300, ge=1)
-    batch_size: int = pydantic.Field(64, ge=1)
+    steps: int = pydantic.Field(300, ge=1)  # optimizer steps
+    batch_size: int = pydantic.Field(64, ge=1)  # rows per step
     eval_every: int = pydantic.Field(0, ge=0, description="0 = evaluate only at the end")
-    eval_size: int = pydantic.Field(256, ge=1)
-    eval_max_new_tokens: int = pydantic.Field(16, ge=1)
-    log_every: int = pydantic.Field(10, ge=1)
-    seed: int = 0
+    eval_size: int = pydantic.Field(256, ge=1)  # held-out rows of the greedy accuracy eval
+    eval_max_new_tokens: int = pydantic.Field(16, ge=1)  # generation limit of the eval
+    log_every: int = pydantic.Field(10, ge=1)  # steps between log lines
+    seed: int = 0  # row order and label noise
     # Systematically biased demonstrations: this fraction of training rows (chosen by a seeded
     # hash of the row id) shows integer answers shifted by `label_noise_offset`. A model trained
     # on them knows the arithmetic but has learned a wrong habit, which a verifier-driven RL
     # run can correct; 0 trains on clean labels. Held-out evaluation always uses true answers.
     label_noise: float = pydantic.Field(0.0, ge=0.0, le=1.0)
-    label_noise_offset: int = 1
+    label_noise_offset: int = 1  # how far the noisy answers are shifted
     # As in the train engine: bf16 autocast keeps fp32 master weights and optimizer state; on a
     # CPU with AVX512-BF16 it makes a tiny-model step ~1.5x faster.
     autocast_dtype: Literal["none", "bfloat16"] = "none"
@@ -81,13 +81,16 @@ def with_label_noise(rows: list[dict[str, Any]], fraction: float, offset: int,
     return out
 
 
-def build_examples(tokenizer: Any, rows: list[dict[str, Any]]) -> list[SFTExample]:
+def build_examples(tokenizer: Any, rows: list[dict[str, Any]],
+                   template_kwargs: dict[str, Any] | None = None) -> list[SFTExample]:
+    """`template_kwargs`: the model's chat template variables (model.chat_template_kwargs),
+    so SFT trains on the prompts rollouts will render."""
     out = []
     for row in rows:
         if row.get("conversation") is not None:
-            out.append(SFTExample(*conversation_ids(tokenizer, row)))
+            out.append(SFTExample(*conversation_ids(tokenizer, row, template_kwargs)))
             continue
-        prompt = encode_chat_prompt(tokenizer, row["messages"])
+        prompt = encode_chat_prompt(tokenizer, row["messages"], template_kwargs=template_kwargs)
         reply = encode_completion(tokenizer, reply_text(row))
         out.append(SFTExample(prompt + reply, [0] * len(prompt) + [1] * len(reply)))
     return out

@@ -41,20 +41,23 @@ def check_conversation(row: dict[str, Any]) -> list[dict[str, Any]]:
     return conv
 
 
-def assistant_spans(tokenizer: Any, row: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
-    """(full text, [(start, end) character span of each assistant turn through its EOS])."""
+def assistant_spans(tokenizer: Any, row: dict[str, Any],
+                    template_kwargs: dict[str, Any] | None = None,
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """(full text, [(start, end) character span of each assistant turn through its EOS]);
+    `template_kwargs`: the model's chat template variables (model.chat_template_kwargs)."""
     conv = check_conversation(row)
     tools = row.get("tools")
     eos = tokenizer.eos_token
     if not eos:
         raise UserError("tokenizer has no eos_token; set eos_token in tokenizer_config.json")
-    full = render_chat(tokenizer, conv, False, tools)
+    full = render_chat(tokenizer, conv, False, tools, template_kwargs)
     spans = []
     for k, msg in enumerate(conv):
         if msg["role"] != "assistant":
             continue
-        before = render_chat(tokenizer, conv[:k], True, tools)
-        upto = render_chat(tokenizer, conv[:k + 1], False, tools)
+        before = render_chat(tokenizer, conv[:k], True, tools, template_kwargs)
+        upto = render_chat(tokenizer, conv[:k + 1], False, tools, template_kwargs)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise UserError(
                 f"row {row.get('id')!r}: the chat template is not prefix-stable at message {k} "
@@ -68,9 +71,10 @@ def assistant_spans(tokenizer: Any, row: dict[str, Any]) -> tuple[str, list[tupl
     return full, spans
 
 
-def conversation_ids(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+def conversation_ids(tokenizer: Any, row: dict[str, Any],
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, target_mask) of a conversation row; mask 1 on assistant-turn tokens."""
-    full, spans = assistant_spans(tokenizer, row)
+    full, spans = assistant_spans(tokenizer, row, template_kwargs)
     ids: list[int] = []
     mask: list[int] = []
     pos = 0
@@ -84,12 +88,13 @@ def conversation_ids(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], li
     return ids + tail, mask + [0] * len(tail)
 
 
-def first_turn(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], str]:
+def first_turn(tokenizer: Any, row: dict[str, Any],
+               template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
     """(prompt ids up to the first assistant turn, that turn's demonstrated text through EOS).
 
     SFT evaluation of conversation rows: does the model's greedy first turn (for a tool agent,
     the tool call) equal the demonstration's? Meaningful when the eval rows are clean demos.
     """
-    full, spans = assistant_spans(tokenizer, row)
+    full, spans = assistant_spans(tokenizer, row, template_kwargs)
     start, end = spans[0]
     return tokenizer.encode(full[:start], add_special_tokens=False), full[start:end]
