@@ -213,8 +213,10 @@ def _add_eval_parser(sub: Any) -> None:
                          "hub id (org/name) from the HF cache")
     ev.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     ev.add_argument("--data", required=True, metavar="FILE",
-                    help="JSONL/parquet file (every row is scored), or 'arithmetic' for the "
-                         "built-in task's held-out split")
+                    help="JSONL/parquet file (every row is scored), 'arithmetic' for the "
+                         "built-in task's held-out split, or a dataset mapping like the run "
+                         "config's data: ('{kind: hf, name: openai/gsm8k, config: main, "
+                         "eval_split: test}': its held-out rows)")
     ev.add_argument("--k", default=None, metavar="K,K,...", help="pass@k values, e.g. 1,4,8")
     ev.add_argument("--num-samples", type=int, default=None, metavar="N",
                     help="samples per problem for pass@k (default: the largest k)")

@@ -343,6 +343,23 @@ def test_load_eval_rows(tmp_path):
     assert len(load_eval_rows("arithmetic")) == 500
 
 
+def test_load_eval_rows_from_a_dataset_mapping(tmp_path):
+    """--data takes the run config's dataset forms inline: here `kind: hf` on a local folder with
+    a test split, nested answers and a system prompt; mistakes name the field."""
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "train.jsonl").write_text('{"q": "x?", "meta": {"gt": 1}}\n')
+    (tmp_path / "ds" / "test.jsonl").write_text('{"q": "a?", "meta": {"gt": 2}}\n'
+                                                '{"q": "b?", "meta": {"gt": 3}}\n')
+    rows = load_eval_rows(f"{{kind: hf, name: {tmp_path / 'ds'}, eval_split: test, "
+                          f"question_field: q, answer_field: meta.gt, system_prompt: Be brief.}}")
+    assert [(r["question"], r["answer"]) for r in rows] == [("a?", "2"), ("b?", "3")]
+    assert rows[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    with pytest.raises(ConfigError, match="--data: kind='hff': unknown dataset kind; allowed:"):
+        load_eval_rows("{kind: hff, name: x}")
+    with pytest.raises(UserError, match="malformed YAML"):
+        load_eval_rows("{kind: hf, name: [x}")
+
+
 # ---- the command -------------------------------------------------------------------------
 
 

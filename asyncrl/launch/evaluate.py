@@ -43,15 +43,28 @@ BUILTIN_DATA = "arithmetic"
 
 def load_eval_rows(data: str) -> list[dict[str, Any]]:
     """Every row of a local JSONL / parquet file (question + answer, "#### N" answers split like
-    GSM8K), or the built-in arithmetic task's held-out split for `data == "arithmetic"`."""
+    GSM8K), the built-in arithmetic task's held-out split for `data == "arithmetic"`, or the
+    held-out rows of an inline dataset mapping (the run config's `data:` forms, e.g.
+    '{kind: hf, name: openai/gsm8k, config: main, eval_split: test}')."""
+    if data.strip().startswith("{"):
+        import yaml
+
+        from asyncrl.data.dataset import parse_dataset_config
+
+        try:
+            mapping = yaml.safe_load(data)
+        except yaml.YAMLError as err:
+            raise UserError(f"--data {data!r}: malformed YAML mapping: {err}") from None
+        return parse_dataset_config(mapping, "--data").build().eval_rows()
     if data == BUILTIN_DATA:
         from asyncrl.data.arithmetic import ArithmeticTaskConfig
 
         return ArithmeticTaskConfig().build().eval_rows()
     kind = FILE_KINDS.get(Path(data).suffix.lower())
     if kind is None:
-        raise UserError(f"--data {data}: unknown data; allowed: {BUILTIN_DATA}, or a file "
-                        f"ending in {', '.join(FILE_KINDS)}")
+        raise UserError(f"--data {data}: unknown data; allowed: {BUILTIN_DATA}, a file "
+                        f"ending in {', '.join(FILE_KINDS)}, or a dataset mapping "
+                        f"('{{kind: hf, name: ..., eval_split: test}}')")
     from asyncrl.data.files import FileDatasetConfig, read_rows
 
     return read_rows(data, FileDatasetConfig(kind=kind, path=data))
