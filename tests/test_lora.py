@@ -18,9 +18,6 @@ built-in engine in process and in `asyncrl serve` subprocesses, the real Trainer
 import asyncio
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import peft
@@ -28,7 +25,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
-from test_train_loop import metrics, small_config
+from test_train_loop import metrics, small_config, torchrun_train
 from train_helpers import digit_reward
 from transformers import AutoModelForCausalLM
 
@@ -44,7 +41,6 @@ from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_los
 from asyncrl.train.lora import LoraConfig, adapter_state_dict, apply_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TESTS = Path(__file__).parent
 TOLERANCE = 1e-4  # mean |engine - trainer| logprob; fp32 merge vs PEFT's unmerged path: ~1e-7
 LORA = {"train.lora": {"r": 8}, "train.optimizer.lr": 1e-2,
         "inference.check_logprobs_every": 1, "inference.check_logprobs_tolerance": TOLERANCE}
@@ -212,19 +208,10 @@ def test_lora_under_fsdp_two_gloo_ranks_with_the_critic(model_dir, tmp_path):
     """FSDP2 shards the PEFT model (A and B with their layers); the adapter is gathered one
     matrix at a time for each push; the critic (estimator gae) trains all its own weights."""
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", "-m", "asyncrl.cli", "train", f"model.path={model_dir}",
-           f"output_dir={run}", "reward=train_helpers:digit_reward", "total_steps=2",
-           "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
-           "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
-           "filter_uniform_groups=false", "eval.every=2", "eval.size=8",
-           "logging.tensorboard=false", "checkpoint_every=2", "torch_threads=1",
-           "inference.engine.max_num_seqs=32", "actor.advantage.estimator=gae",
-           "train.lora.r=8", "train.optimizer.lr=1e-2", "inference.check_logprobs_every=1",
-           f"inference.check_logprobs_tolerance={TOLERANCE}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    out = torchrun_train(model_dir, run, "eval.every=2", "eval.size=8",
+                         "actor.advantage.estimator=gae", "train.lora.r=8",
+                         "train.optimizer.lr=1e-2", "inference.check_logprobs_every=1",
+                         f"inference.check_logprobs_tolerance={TOLERANCE}")
     assert out.returncode == 0, out.stderr[-4000:]
     check_lora_run(model_dir, run, 2)
     assert all(math.isfinite(m["critic/loss"]) for m in metrics(run) if "reward/mean" in m)

@@ -116,9 +116,14 @@ def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     assert resumed and min(r["head_version"] for r in resumed) >= 2
 
 
+def helpers_env(**extra: str) -> dict[str, str]:
+    """This environment, with tests/ importable (train_helpers) by the subprocess."""
+    return dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                **extra)
+
+
 def _start_train(model_dir, out, *extra):
-    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               PYTHONUNBUFFERED="1")
+    env = helpers_env(PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "asyncrl.cli", "train", f"model.path={model_dir}",
            f"output_dir={out}", "reward=train_helpers:digit_reward", "inference.mode=local",
            "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
@@ -154,7 +159,7 @@ def test_ctrl_c_checkpoints_stops_servers_and_resume_continues(model_dir, tmp_pa
     assert processes_mentioning(str(model_dir)) == []
     done = max(m["step"] for m in metrics(run))
     assert (run / "checkpoints" / f"step_{done:06d}" / "policy/model.safetensors").is_file()
-    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = helpers_env()
     resumed = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run),
          f"total_steps={done + 2}"], capture_output=True, text=True, env=env, timeout=300)
@@ -209,23 +214,26 @@ def test_example_configs_validate_and_multi_turn_runs(model_dir, tmp_path):
     assert [m["batch/samples"] for m in rows] == [4.0, 4.0]  # 2 groups x 2 episodes
 
 
+def torchrun_train(model_dir, run: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`asyncrl train` of 2 steps on 2 gloo trainer ranks (torchrun), small batches."""
+    env = helpers_env(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", "-m", "asyncrl.cli", "train", f"model.path={model_dir}",
+           f"output_dir={run}", "reward=train_helpers:digit_reward", "total_steps=2",
+           "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
+           "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
+           "filter_uniform_groups=false", "logging.tensorboard=false", "checkpoint_every=2",
+           "inference.engine.max_num_seqs=32", "torch_threads=1", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_torchrun_two_trainer_ranks(model_dir, tmp_path, estimator):
     """FSDP2 across 2 gloo ranks: rank 0 leads (engine, executor, logs), rank 1 follows; with
     gae the critic is sharded and trained alongside, and checkpointed."""
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", "-m", "asyncrl.cli", "train", f"model.path={model_dir}",
-           f"output_dir={run}", "reward=train_helpers:digit_reward", "total_steps=2",
-           "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
-           "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
-           "filter_uniform_groups=false", "eval.every=0", "logging.tensorboard=false",
-           "checkpoint_every=2", "inference.engine.max_num_seqs=32", "torch_threads=1",
-           f"actor.advantage.estimator={estimator}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    out = torchrun_train(model_dir, run, "eval.every=0", f"actor.advantage.estimator={estimator}")
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [m for m in metrics(run) if "reward/mean" in m]
     assert [m["policy/version"] for m in rows] == [1.0, 2.0]
@@ -240,8 +248,8 @@ def test_torchrun_two_trainer_ranks(model_dir, tmp_path, estimator):
     if estimator == "grpo":
         # the sharded checkpoint of 2 ranks resumes in one process (another world size)
         out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "--resume", str(run),
-                              "total_steps=3"], capture_output=True, text=True, env=env,
-                             timeout=200)
+                              "total_steps=3"], capture_output=True, text=True,
+                             env=helpers_env(), timeout=200)
         assert out.returncode == 0, out.stderr[-4000:]
         rows = [m for m in metrics(run) if "reward/mean" in m]
         assert [m["policy/version"] for m in rows] == [1.0, 2.0, 3.0]

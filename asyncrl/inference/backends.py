@@ -26,6 +26,7 @@ from asyncrl.inference.backend_protocol import (
     Delta,
     GroupJoin,
     HttpCall,
+    LoraServing,
     Segment,
     ServerCheck,
     WireTensor,
@@ -143,9 +144,13 @@ BACKENDS: dict[str, type] = {
 }
 
 
-def make_backend(name: str, model: str | None = None) -> Backend:
+def make_backend(name: str, model: str | None = None, lora: LoraServing | None = None) -> Backend:
+    """`lora`: the job pushes LoRA adapters; a vLLM backend then checks at startup that its
+    servers take them (asyncrl servers always do; SGLang is refused by the config)."""
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is not known; choose one of {list(BACKENDS)}")
+    if name == "vllm":
+        return VLLMBackend(model=model, lora=lora)
     return BACKENDS[name](model=model)
 
 

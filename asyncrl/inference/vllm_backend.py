@@ -12,6 +12,7 @@ from asyncrl.inference.backend_protocol import (
     Delta,
     GroupJoin,
     HttpCall,
+    LoraServing,
     Segment,
     ServerCheck,
     WireTensor,
@@ -102,8 +103,9 @@ class VLLMBackend:
     needs_untied_head = True
     tested = ((0, 32), (0, 33))
 
-    def __init__(self, model: str | None = None) -> None:
+    def __init__(self, model: str | None = None, lora: LoraServing | None = None) -> None:
         self.model = model
+        self.lora = lora  # train.lora: servers must take runtime adapters (server_checks)
         self._lora = LoraVersions()
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
@@ -266,7 +268,7 @@ class VLLMBackend:
                 return (f"runs with --logprobs-mode {mode}: its logprobs are not those of the "
                         "sampling distribution the trainer's loss assumes; start it with "
                         "--logprobs-mode processed_logprobs")
-            return None
+            return None if self.lora is None else lora_verdict(body, self.lora)
 
         return [
             ServerCheck(HttpCall("GET", "/version"), version_verdict("vLLM", self.tested, "version"),
@@ -275,6 +277,27 @@ class VLLMBackend:
             ServerCheck(HttpCall("GET", "/server_info", params={"config_format": "json"}),
                         logprobs_mode),
         ]
+
+
+def lora_verdict(server_info: Any, need: LoraServing) -> str | None:
+    """Whether a server (its GET /server_info?config_format=json) takes the adapters a
+    `train.lora` job pushes: LoRA enabled with a rank bound >= the adapter's, room for
+    `keep_versions` + 1 adapters, and the runtime load/unload routes."""
+    flags = (f"start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora "
+             f"--max-lora-rank {need.rank} (or the next allowed rank) --max-loras "
+             f"{need.keep_versions + 1}")
+    lora = (server_info.get("vllm_config") or {}).get("lora_config")
+    if not lora:
+        return f"serves no LoRA adapters and train.lora pushes adapters: {flags}"
+    rank, slots = lora.get("max_lora_rank", 0), lora.get("max_loras", 0)
+    if rank < need.rank:
+        return f"runs with --max-lora-rank {rank}, below train.lora.r={need.rank}: {flags}"
+    if slots < need.keep_versions + 1:
+        return (f"runs with --max-loras {slots}; the job keeps {need.keep_versions} adapter "
+                f"versions for requests in flight and loads one more: {flags}")
+    if not (server_info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        return f"has no runtime LoRA routes (/v1/load_lora_adapter): {flags}"
+    return None
 
 
 def lora_name(version: int) -> str:

@@ -42,7 +42,7 @@ from asyncrl.launch.weight_check import LogprobCheck
 from asyncrl.models.export import DEFAULT_SHARD_SIZE
 
 if TYPE_CHECKING:
-    from asyncrl.launch.server_commands import LoraServing
+    from asyncrl.inference.backend_protocol import LoraServing
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,8 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
                                             backend=cfg.server_backend)
         else:
             remote_cfg = cfg.remote
-        engine = RemoteInferenceEngine(remote_cfg)
+        engine = RemoteInferenceEngine(remote_cfg, make_backend(
+            remote_cfg.backend, model=remote_cfg.model, lora=lora))  # lora: checked at startup
         stack.callback(engine.close)
         if ray_cfg is not None and servers is not None:
             stack.enter_context(servers.watching(engine))

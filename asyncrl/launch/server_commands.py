@@ -24,6 +24,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.inference.engine import EngineSettings
 from asyncrl.launch.devices import engine_dtype_name
 
@@ -41,15 +42,6 @@ class ServerCommand:
 
 # vLLM 0.32's LoRAConfig.max_lora_rank takes only these (config/lora.py MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-@dataclass(frozen=True)
-class LoraServing:
-    """What servers of a `train.lora` job must allow: adapters of rank `rank` loaded at run
-    time, `keep_versions` of them (eta + 1) held for requests in flight."""
-
-    rank: int
-    keep_versions: int = 1
 
 
 def vllm_lora_args(lora: LoraServing) -> list[str]:

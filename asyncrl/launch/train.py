@@ -45,7 +45,7 @@ from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
 from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
                                             load_loop_state)
 from asyncrl.launch.run_logger import RunLogger
-from asyncrl.launch.server_commands import LoraServing
+from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.train_loop import TrainLoop, bounded
 from asyncrl.launch.trainer_group import (

@@ -284,6 +284,7 @@ def check_lora(cfg: TrainRunConfig) -> None:
         raise ValueError("train.lora with backend 'sglang' is not supported; allowed backends: "
                          "asyncrl, vllm")
     if inf.mode == "local" and inf.server_backend == "vllm":  # the servers this job starts
-        from asyncrl.launch.server_commands import LoraServing, vllm_lora_args
+        from asyncrl.inference.backend_protocol import LoraServing
+        from asyncrl.launch.server_commands import vllm_lora_args
 
         vllm_lora_args(LoraServing(lora.r))  # raises for a rank vLLM cannot serve

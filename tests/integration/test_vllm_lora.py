@@ -26,11 +26,13 @@ import pytest
 import torch
 
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
+from asyncrl.inference.backend_protocol import LoraServing
+from asyncrl.inference.backends import make_backend
 from asyncrl.inference.engine import EngineSettings
 from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
-from asyncrl.inference.remote_errors import RemoteEngineError
+from asyncrl.inference.remote_errors import RemoteEngineError, ServerCheckError
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.launch.server_commands import LoraServing, server_command
+from asyncrl.launch.server_commands import server_command
 from asyncrl.models.export import untied_copy
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
@@ -131,6 +133,26 @@ def update(engine, path, version):
 def max_gap(model, resp) -> float:
     ours = scored(model, PROMPT, resp.output_tokens)
     return max(abs(a - b) for a, b in zip(ours, resp.output_logprobs))
+
+
+def test_startup_check_reads_the_servers_lora_settings(server):
+    """A LoRA job checks its vLLM servers before the first push (VLLMBackend(lora=...)): this
+    server (rank bound 8, KEEP + 1 slots, runtime updating on) takes rank 8 with KEEP versions;
+    a larger rank or more kept versions is refused naming the flag to change."""
+    def check(need: LoraServing) -> None:
+        client = RemoteInferenceEngine(
+            RemoteEngineConfig(addresses=server.urls, backend="vllm", api_key=KEY),
+            make_backend("vllm", lora=need))
+        try:
+            asyncio.run(client.check_servers())
+        finally:
+            client.close()
+
+    check(LoraServing(RANK, KEEP))
+    with pytest.raises(ServerCheckError, match=r"--max-lora-rank 8, below train.lora.r=16"):
+        check(LoraServing(16, KEEP))
+    with pytest.raises(ServerCheckError, match=r"--max-loras 3; the job keeps 5 adapter"):
+        check(LoraServing(RANK, 5))
 
 
 def test_each_adapter_serves_peft_logprobs(server, engine, model_dirs, adapters):

