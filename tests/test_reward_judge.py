@@ -66,6 +66,7 @@ def test_an_unparseable_reply_is_an_error_or_a_counted_zero_never_a_silent_one(c
     zero = JudgeReward(judge_cfg(on_unparseable="zero"), Canned("no idea"))
     assert asyncio.run(zero("x", ROW)) == 0.0
     assert zero.stats().unparseable == 1 and "no idea" in caplog.text
+    assert zero.metrics()["reward/judge_unparseable"] == 1.0
 
 
 async def served_reply(url, cfg):
@@ -123,6 +124,10 @@ def test_asyncrl_train_with_a_judge_reward(model_dir, tmp_path):
     lines = (Path(tmp_path / "run") / "metrics.jsonl").read_text().splitlines()
     steps = [m for m in map(json.loads, lines) if "reward/mean" in m]
     assert [m["reward/mean"] for m in steps] == [0.5, 0.5]
+    # the judge's counts reach metrics.jsonl: a call per scored sample, none unparseable
+    calls = [m["reward/judge_calls"] for m in steps]
+    assert 0 < calls[0] <= calls[1] and steps[0]["reward/judge_latency_s"] > 0
+    assert all(m["reward/judge_unparseable"] == 0 for m in steps)
 
 
 def test_eval_with_a_judge_reward(model_dir, tmp_path):

@@ -94,7 +94,7 @@ class Evaluator(Protocol):
 
 @runtime_checkable
 class ReportsMetrics(Protocol):
-    """A workflow with `metrics()` has them logged after every training step."""
+    """A workflow or a reward with `metrics()` has them logged after every training step."""
 
     def metrics(self) -> dict[str, float]: ...
 

@@ -279,7 +279,7 @@ class Trainer:
                 cfg.total_steps, cfg.max_train_seconds, self.console, start_step=state.step))
             stop = stack.enter_context(StopRequest())
             TrainLoop(self, state, tokenizer, workflow, evaluator, engines, group, executor,
-                      stream, logger, progress, stop).run()
+                      stream, logger, progress, stop, reward_fn).run()
 
     def _logprob_check(self, group: TrainerGroup, tokenizer: Any) -> LogprobCheck | None:
         """The post-update canary: the first two eval rows' prompts (in-distribution text)."""

@@ -47,10 +47,13 @@ class TrainLoop:
     def __init__(self, job: Trainer, state: LoopState, tokenizer: Any,
                  workflow: RolloutWorkflow, evaluator: Evaluator, engines: RolloutEngines,
                  group: TrainerGroup, executor: WorkflowExecutor, stream: DataStream,
-                 logger: RunLogger, progress: TrainProgress, stop: StopRequest) -> None:
+                 logger: RunLogger, progress: TrainProgress, stop: StopRequest,
+                 reward: Any = None) -> None:
         self.job, self.cfg, self.state = job, job.cfg, state
         self.tokenizer, self.engines = tokenizer, engines
         self.workflow, self.evaluator = workflow, evaluator
+        # what reports metrics after each step: the workflow, the reward (a judge's counts)
+        self.reporters = [r for r in (workflow, reward) if isinstance(r, ReportsMetrics)]
         self.group, self.trainer, self.executor = group, group.trainer, executor
         self.stream, self.logger, self.progress, self.stop = stream, logger, progress, stop
         self.monitor = RolloutMonitor(self.cfg.filter_uniform_groups)
@@ -160,8 +163,8 @@ class TrainLoop:
         self.state.step += 1
         self.state.data_position = self.stream.position
         metrics.update(self.monitor.take())
-        if isinstance(self.workflow, ReportsMetrics):
-            metrics.update(self.workflow.metrics())
+        for reporter in self.reporters:
+            metrics.update(reporter.metrics())
         stats = self.executor.stats()
         metrics.update({
             "policy/version": float(new_version),

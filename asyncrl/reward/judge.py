@@ -8,7 +8,8 @@ launch layer builds (`asyncrl.launch.judge_engine`: this package sits below the 
 
 An unparseable reply is never a silent 0: it raises `JudgeReplyError` with the reply, which
 rejects that rollout in the executor's log, or, with `on_unparseable: zero`, scores 0.0 with a
-warning carrying the reply and is counted in `stats()`.
+warning carrying the reply and is counted in `stats()`. `metrics()` (api.ReportsMetrics) puts
+the counts and the latency into the run's metrics.jsonl after every training step.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class JudgeReward:
         self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._calls = self._unparseable = 0
         self._latency = 0.0
+        self._reported = (0, 0.0)  # (calls, latency) at the previous metrics()
 
     async def __call__(self, completion: str, row: dict[str, Any]) -> float:
         messages = judge_messages(self.cfg, completion, row)
@@ -118,6 +120,15 @@ class JudgeReward:
     def stats(self) -> JudgeStats:
         mean = self._latency / self._calls if self._calls else 0.0
         return JudgeStats(self._calls, self._unparseable, mean)
+
+    def metrics(self) -> dict[str, float]:
+        """Calls and unparseable replies so far; the mean latency of the calls since the
+        previous `metrics()` (one training step's, in `asyncrl train`)."""
+        calls, latency = self._calls - self._reported[0], self._latency - self._reported[1]
+        self._reported = (self._calls, self._latency)
+        return {"reward/judge_calls": float(self._calls),
+                "reward/judge_unparseable": float(self._unparseable),
+                "reward/judge_latency_s": latency / calls if calls else 0.0}
 
 
 class OpenAIJudgeClient:
