@@ -19,7 +19,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -39,6 +38,7 @@ from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pause_rounds import interrupt_with_update  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -189,50 +189,14 @@ def test_interrupted_generation_continues_under_the_new_adapter(server, engine, 
     continue): each token's version says which adapter produced it, and its logprob is that
     adapter's. The v1 adapter falls out of keep_versions=2 and is unloaded."""
     # greedy: the tiny model's adapters repeat one token without ending (sampled, it ends some
-    # sequences within a few tokens); as long as the model allows (1024 positions), because the
-    # pause travels through a busy API server: on a loaded 2-core machine it was seen to land
-    # 230 tokens, and once every one of the 1000 tokens, after the server's count passed the
-    # threshold. Such a round interrupted nothing (every sequence ended under v2): the pause is
-    # lifted without an update and the round runs again. vLLM's greedy logprobs are the T=1
-    # log-softmax the check computes.
+    # sequences within a few tokens); as long as the model allows (1024 positions), as the
+    # pause may land late (pause_rounds.py). vLLM's greedy logprobs are the T=1 log-softmax
+    # the check computes.
     g = GenerationConfig(max_new_tokens=1000, greedy=True)
     url = server.urls[0]
-    n = 8
-
-    async def until(cond, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.02)
-
-    async def round_(attempt: int):
-        start = generated(url)
-        continued = engine.stats().get("continuations", 0)
-        tasks = [asyncio.create_task(engine.agenerate(
-            ModelRequest(PROMPT, g, rid=f"mix-{attempt}-{i}"))) for i in range(n)]
-        # the server's count: the client parses the streams behind the server's progress
-        while generated(url) < start + 2 * n:
-            assert not all(t.done() for t in tasks), "every sequence ended before the update"
-            await asyncio.sleep(0.02)  # until the sequences are a few tokens in
-        engine.pause()
-        try:
-            # each sequence comes back aborted (held here to continue) or already finished
-            await until(lambda: sum(t.done() for t in tasks)
-                        + engine.stats().get("continuations", 0) - continued == n,
-                        "the paused requests neither finished nor came back to continue")
-            interrupted = engine.stats().get("continuations", 0) - continued
-            if interrupted:
-                await update(engine, adapters[3][0], 3)
-        finally:
-            engine.resume()
-        return interrupted, await asyncio.gather(*tasks)
-
-    for attempt in range(3):
-        interrupted, responses = asyncio.run(round_(attempt))
-        print(f"round {attempt}: {interrupted} of {n} sequences interrupted by the pause")
-        if interrupted:
-            break
-    assert interrupted, "the pause landed after every sequence ended, three rounds in a row"
+    responses = interrupt_with_update(
+        engine, lambda k: [ModelRequest(PROMPT, g, rid=f"mix-{k}-{i}") for i in range(8)],
+        tokens=lambda: generated(url), after=16, update=lambda: update(engine, adapters[3][0], 3))
     assert any(set(r.output_versions) == {2, 3} for r in responses), \
         [(len(r.output_tokens), r.stop_reason.value, sorted(set(r.output_versions)))
          for r in responses]

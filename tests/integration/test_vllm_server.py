@@ -35,6 +35,7 @@ from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 from asyncrl.models.export import save_weights_dir, untied_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pause_rounds import interrupt_with_update  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -126,23 +127,11 @@ def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers,
     # No min_new_tokens: vLLM computes processed logprobs after masking EOS for it, so they
     # would be renormalised without EOS and differ from the trainer's full softmax.
     g = GenerationConfig(max_new_tokens=900, temperature=1.0)
-    start = sum(metric(u, "vllm:generation_tokens_total") for u in servers.urls)
-
-    async def run():
-        tasks = [asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid=f"mix-{i}")))
-                 for i in range(16)]
-        while sum(metric(u, "vllm:generation_tokens_total") for u in servers.urls) < start + 400:
-            await asyncio.sleep(0.02)  # until the sequences are some dozens of tokens in
-        engine.pause()
-        try:
-            await engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1))
-        finally:
-            engine.resume()
-        out = await asyncio.gather(*tasks)
-        await engine.aclose()
-        return out
-
-    responses = asyncio.run(run())
+    responses = interrupt_with_update(
+        engine, lambda k: [ModelRequest(PROMPT, g, rid=f"mix-{k}-{i}") for i in range(16)],
+        tokens=lambda: sum(metric(u, "vllm:generation_tokens_total") for u in servers.urls),
+        after=400, update=lambda: engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1)))
+    engine.close()
     mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
     assert mixed, [sorted(set(r.output_versions)) for r in responses]
     for r in responses:
