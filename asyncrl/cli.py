@@ -190,7 +190,7 @@ def _add_serve_parser(sub: Any) -> None:
     # vLLM's flag names, so a launch script moves between the two servers unchanged
     srv.add_argument("--tool-parser", "--tool-call-parser", dest="tool_parser", default=None,
                      help="tool-call format of the model: hermes (default), llama3_json, "
-                          "pythonic")
+                          "mistral, pythonic")
     srv.add_argument("--reasoning-parser", default=None,
                      help="split <think> reasoning into reasoning_content: none (default), "
                           "deepseek_r1, qwen3")

@@ -1,6 +1,6 @@
 """Reply parsers and chat options, without servers: tool-call formats by name (hermes,
-llama3_json, pythonic), `<think>` reasoning splitters (deepseek_r1, qwen3), the options' config
-checks, and chat template variables reaching every prompt the workflows and SFT render."""
+llama3_json, mistral, pythonic), `<think>` reasoning splitters (deepseek_r1, qwen3), the options'
+config checks, and chat template variables reaching every prompt the workflows and SFT render."""
 
 import asyncio
 import json
@@ -54,6 +54,7 @@ def fn(call: dict) -> tuple[str, dict]:
 WELL_FORMED = {
     "hermes": ('<tool_call>{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call>', None),
     "llama3_json": ('<|python_tag|>{"name": "calc", "parameters": {"expr": "2*3"}}', None),
+    "mistral": ('[TOOL_CALLS][{"name": "calc", "arguments": {"expr": "2*3"}}]', None),
     "pythonic": ('[calc(expr="2*3")]', None),
 }
 SEVERAL = {
@@ -61,6 +62,7 @@ SEVERAL = {
               '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": [2]}"}</tool_call>',
     "llama3_json": 'Two. {"name": "calc", "parameters": {"expr": "2*3"}}; '
                    '{"name": "add", "arguments": {"a": 1, "b": [2]}}',
+    "mistral": 'Two.[TOOL_CALLS]calc[ARGS]{"expr": "2*3"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": [2]}',
     "pythonic": 'Two. [calc(expr="2*3"), add(a=1, b=[2])]',
 }
 MALFORMED = {
@@ -70,6 +72,11 @@ MALFORMED = {
                     '<|python_tag|>{"name": "calc", "parameters": [1]}',  # not an object
                     '{"name": "calc", "parameters": {}, "arguments": {}}',  # both spellings
                     '{"name": "calc", "parameters": {}}; {"name": 3, "parameters": {}}'],
+    "mistral": ['[TOOL_CALLS][{"name": "calc", "arguments": {"expr": "2*3"}}',  # bracket
+                '[TOOL_CALLS][{"name": "calc"}]', '[TOOL_CALLS][]',  # no arguments, no call
+                '[TOOL_CALLS]calc[ARGS]{"expr": ', '[TOOL_CALLS]not a name[ARGS]{}',
+                '[TOOL_CALLS]calc[ARGS]{}[TOOL_CALLS]oops',  # a later call broken
+                '[{"name": "calc", "args": {}}]'],
     "pythonic": ['[calc(expr="2*3")', '[calc("2*3")]', '[calc(expr=os.system("x"))]',
                  '[calc(**kw)]', '[calc(x=1)] and [f(y=lambda: 1)]'],
 }
@@ -121,9 +128,24 @@ def test_pythonic_reads_dotted_names_and_literals_never_runs_them():
     assert fn(calls[0]) == ("ns.f", {"a": None, "b": {"k": [1, 2]}, "c": -1.5})
 
 
+def test_mistral_forms_by_tokenizer_version():
+    """Pre-v11 array, v11 `name[ARGS]{}` with or without [ARGS] and with a call id, text after
+    the calls; the array without its marker (a decode that dropped it) still parses, the v11
+    form without markers is prose."""
+    p = tool_parser("mistral")
+    for text in ('[TOOL_CALLS] [{"name": "calc", "arguments": {"expr": "2*3"}}]',
+                 '[TOOL_CALLS]calc{"expr": "2*3"}',
+                 '[TOOL_CALLS]calc[CALL_ID]a1B2c3D4e[ARGS]{"expr": "2*3"}',
+                 ' [{"name": "calc", "arguments": "{\\"expr\\": \\"2*3\\"}"}]'):
+        content, calls = p.parse(text)
+        assert content is None and [fn(c) for c in calls] == [("calc", {"expr": "2*3"})], text
+    assert p.parse('Sure.[TOOL_CALLS]calc[ARGS]{"expr": "1"} Done.')[0] == "Sure. Done."
+    assert p.parse('calc{"expr": "2*3"}') == ('calc{"expr": "2*3"}', None)
+
+
 def test_unknown_tool_parser_lists_the_allowed():
-    with pytest.raises(ValueError, match="allowed: hermes, llama3_json, pythonic"):
-        tool_parser("mistral")
+    with pytest.raises(ValueError, match="allowed: hermes, llama3_json, mistral, pythonic"):
+        tool_parser("granite")
 
 
 # ---- reasoning parsers --------------------------------------------------------------------------
@@ -173,8 +195,8 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning():
 # ---- config -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override,message", [
-    ("model.tool_parser=mistral", "model.tool_parser: 'mistral' is unknown; allowed: hermes, "
-                                  "llama3_json, pythonic"),
+    ("model.tool_parser=granite", "model.tool_parser: 'granite' is unknown; allowed: hermes, "
+                                  "llama3_json, mistral, pythonic"),
     ("model.reasoning_parser=r1", "model.reasoning_parser: 'r1' is unknown; allowed: none, "
                                   "deepseek_r1, qwen3"),
     ("model.chat_template_kwargs={tokenize: true}", "model.chat_template_kwargs: 'tokenize' is "

@@ -6,6 +6,7 @@ Proxy replies come from the scripted engine of the proxy tests: an untrained tin
 writes a well-formed Llama-3 call or a think block; the server runs the real tiny model.
 """
 
+import copy
 import json
 import shutil
 
@@ -118,6 +119,34 @@ def test_proxy_malformed_llama3_call_is_content(tok):
     assert out.choices[0].finish_reason == "stop" and stats["malformed_tool_calls"] == 1
 
 
+def test_proxy_mistral_calls_survive_decoding_without_special_tokens(tok):
+    """Mistral's `[TOOL_CALLS]`/`[ARGS]` are special tokens (here added to a copy of the tiny
+    tokenizer, as in Mistral's): a plain decode drops them, so the proxy decodes a reply whose
+    calls it parses keeping the parser's markers; the client sees only the calls."""
+    mistral = copy.deepcopy(tok)
+    mistral.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    reply = 'Computing.[TOOL_CALLS]calc[ARGS]{"expr": "2*3"}[TOOL_CALLS]calc[ARGS]{"expr": "1"}'
+    ids = mistral.encode(reply, add_special_tokens=False)
+    assert mistral.decode(ids, skip_special_tokens=True) == \
+        'Computing.calc{"expr": "2*3"}calc{"expr": "1"}'  # what the markers would leave
+    engine = ScriptedEngine(mistral, lambda req: reply)
+    with serving(engine, mistral, chat=ChatOptions(tool_parser="mistral")) as (proxy, _):
+        client, sid = session_client(proxy)
+        out = client.chat.completions.create(model="m", messages=MSGS, tools=TOOLS,
+                                             max_tokens=200)
+        plain = client.chat.completions.create(model="m", messages=MSGS, max_tokens=200)
+        samples = exported(proxy, sid)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Computing."
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == [("calc", {"expr": "2*3"}), ("calc",
+                                                                                {"expr": "1"})]
+    # without tools nothing is parsed, and the markers stay out of the text as usual
+    assert plain.choices[0].message.content == 'Computing.calc{"expr": "2*3"}calc{"expr": "1"}'
+    prompt_len = len(encode_chat_prompt(mistral, MSGS, TOOLS))
+    assert samples[0]["input_ids"][prompt_len:] == ids + [mistral.eos_token_id]
+
+
 # ---- asyncrl serve ------------------------------------------------------------------------------
 
 def test_serve_chat_options_from_vllm_style_flags(thinking_dir, tok, one_thread):
@@ -154,10 +183,10 @@ def test_serve_refuses_an_unknown_tool_parser(model_dir):
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "serve", "--model",
-                           str(model_dir), "--tool-parser", "mistral"],
+                           str(model_dir), "--tool-parser", "granite"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "tool_parser: 'mistral' is unknown; allowed: hermes, llama3_json, pythonic" \
+    assert "tool_parser: 'granite' is unknown; allowed: hermes, llama3_json, mistral, pythonic" \
         in proc.stderr
 
 

@@ -17,7 +17,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -26,7 +26,7 @@ from fastapi.responses import StreamingResponse
 from asyncrl.api import GenerationConfig, ModelRequest, ModelResponse, StopReason
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody
 from asyncrl.models.chat import encode_chat_prompt
-from asyncrl.models.chat_options import ChatOptions
+from asyncrl.models.chat_options import ChatOptions, decode_keeping
 
 FINISH = {StopReason.STOP: "stop", StopReason.LENGTH: "length", StopReason.ABORT: "abort",
           StopReason.TOOL_CALLS: "tool_calls"}
@@ -36,14 +36,14 @@ STREAM_PIECE = 16  # characters of content per replayed chunk
 class TextTracker:
     """Incremental detokenisation of one choice, with stop-string trimming and hold-back."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer: Any, stops: list[str], keep: Collection[int] = ()) -> None:
+        self.tokenizer, self.stops, self.keep = tokenizer, stops, keep  # keep: special ids
         self.tokens: list[int] = []
         self.sent = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def text(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = decode_keeping(self.tokenizer, self.tokens, self.keep)
         cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
         return text[:cut] if cut >= 0 else text
 
@@ -55,6 +55,14 @@ class TextTracker:
             end = min(end, len(text) - 1)
         out, self.sent = text[self.sent:end], max(self.sent, end)
         return out
+
+
+def reply_text(tokenizer: Any, out: ModelResponse, stops: list[str], chat: ChatOptions,
+               parse_tools: bool = False) -> str:
+    """A whole reply's text; with its tool calls to parse, their markers kept."""
+    tracker = TextTracker(tokenizer, stops, chat.marker_ids(tokenizer) if parse_tools else ())
+    tracker.tokens = list(out.output_tokens)
+    return tracker.text()
 
 
 def sse(obj: dict) -> str:
@@ -111,10 +119,8 @@ class OpenAIRoutes:
             self.metrics.observe(o, time.perf_counter() - t0)
         return list(outs)
 
-    def final_text(self, o: ModelResponse, stops: list[str]) -> str:
-        tracker = TextTracker(self.tokenizer, stops)
-        tracker.tokens = list(o.output_tokens)
-        return tracker.text()
+    def final_text(self, o: ModelResponse, stops: list[str], parse_tools: bool = False) -> str:
+        return reply_text(self.tokenizer, o, stops, self.chat_options, parse_tools)
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -171,7 +177,8 @@ class OpenAIRoutes:
         outs = await self.run_all(reqs)
         choices = []
         for i, o in enumerate(outs):
-            reply = self.chat_options.read_reply(self.final_text(o, stops), parse_tools,
+            reply = self.chat_options.read_reply(self.final_text(o, stops, parse_tools),
+                                                 parse_tools,
                                                  template_kwargs)
             choices.append({"index": i, "message": reply.message(),
                             "logprobs": {"content": self.chat_logprobs(o)} if body.logprobs

@@ -13,7 +13,7 @@ variables and parsers in rollouts, evaluation, SFT prompts, the proxy and `async
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,12 @@ class ChatOptions(Config):
         check_template_kwargs(request, "chat_template_kwargs")
         return {**self.chat_template_kwargs, **request}
 
+    def marker_ids(self, tokenizer: Any) -> frozenset[int]:
+        """Ids of the tool parser's markers in `tokenizer` (Mistral's `[TOOL_CALLS]`): special
+        tokens a reply is decoded keeping (`decode_keeping`) when its tool calls are parsed."""
+        ids = (tokenizer.convert_tokens_to_ids(m) for m in self.tools.markers)
+        return frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
     def read_reply(self, text: str, parse_tools: bool = False,
                    template_kwargs: Mapping[str, Any] | None = None) -> Reply:
         """`text` split into reasoning and content, then tool calls parsed from the content
@@ -131,3 +137,18 @@ class ChatOptions(Config):
         if with_reasoning or self.reasoning is None:
             return text
         return self.reasoning.split(text, template_kwargs)[1] or ""
+
+
+def decode_keeping(tokenizer: Any, ids: list[int], keep: Collection[int] = ()) -> str:
+    """`ids` decoded without special tokens, except those in `keep`, written as their text."""
+    if not any(t in keep for t in ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    parts, run = [], []
+    for t in ids:
+        if t in keep:
+            parts += [tokenizer.decode(run, skip_special_tokens=True),
+                      tokenizer.convert_ids_to_tokens(t)]
+            run = []
+        else:
+            run.append(t)
+    return "".join(parts) + tokenizer.decode(run, skip_special_tokens=True)

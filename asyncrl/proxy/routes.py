@@ -19,7 +19,7 @@ from typing import Any
 
 from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, ModelResponse
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, OpenAISampling
-from asyncrl.inference.openai_routes import FINISH, TextTracker, replay_chat, sse, usage
+from asyncrl.inference.openai_routes import FINISH, replay_chat, reply_text, sse, usage
 from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.chat_options import ChatOptions
 from asyncrl.proxy.config import ProxyConfig
@@ -66,10 +66,8 @@ class ProxyRoutes:
                 for ids in prompts for i in range(n)]
         return list(await asyncio.gather(*(self.engine.agenerate(r) for r in reqs)))
 
-    def text(self, out: ModelResponse, stops: list[str]) -> str:
-        tracker = TextTracker(self.tokenizer, stops)
-        tracker.tokens = list(out.output_tokens)
-        return tracker.text()
+    def text(self, out: ModelResponse, stops: list[str], parse_tools: bool = False) -> str:
+        return reply_text(self.tokenizer, out, stops, self.chat_options, parse_tools)
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
@@ -85,7 +83,8 @@ class ProxyRoutes:
         parse = bool(body.tools) and body.tool_choice != "none"
         records, choices = [], []
         for i, out in enumerate(outs):
-            reply = self.chat_options.read_reply(self.text(out, g.stop), parse, template_kwargs)
+            reply = self.chat_options.read_reply(self.text(out, g.stop, parse), parse,
+                                                 template_kwargs)
             message = reply.message()
             self.stats["tool_calls"] += len(reply.tool_calls or [])
             self.stats["malformed_tool_calls"] += reply.malformed_tool_call

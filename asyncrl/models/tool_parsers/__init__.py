@@ -9,10 +9,11 @@ from __future__ import annotations
 from asyncrl.models.tool_parsers.base import ToolCalls, ToolParser, openai_call
 from asyncrl.models.tool_parsers.hermes import HermesParser
 from asyncrl.models.tool_parsers.llama3_json import Llama3JsonParser
+from asyncrl.models.tool_parsers.mistral import MistralParser
 from asyncrl.models.tool_parsers.pythonic import PythonicParser
 
 TOOL_PARSERS: dict[str, ToolParser] = {
-    p.name: p for p in (HermesParser(), Llama3JsonParser(), PythonicParser())}
+    p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser())}
 
 
 def tool_parser(name: str) -> ToolParser:

@@ -17,6 +17,7 @@ ToolCalls = list[dict[str, Any]]
 @runtime_checkable
 class ToolParser(Protocol):
     name: str
+    markers: tuple[str, ...]  # special tokens the format writes: decoded as text, not dropped
 
     def parse(self, text: str) -> tuple[str | None, ToolCalls | None]:
         """(content, tool_calls): tool_calls is None unless every call in `text` parses;

@@ -17,6 +17,7 @@ CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 class HermesParser:
     name = "hermes"
+    markers: tuple[str, ...] = ()
 
     def attempted(self, text: str) -> bool:
         return OPEN in text

@@ -22,6 +22,7 @@ _DECODER = json.JSONDecoder()
 
 class Llama3JsonParser:
     name = "llama3_json"
+    markers: tuple[str, ...] = ()
 
     def attempted(self, text: str) -> bool:
         return PYTHON_TAG in text or text.lstrip().startswith("{")

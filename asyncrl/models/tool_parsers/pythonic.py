@@ -18,6 +18,7 @@ LIST_OF_CALLS = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 
 class PythonicParser:
     name = "pythonic"
+    markers: tuple[str, ...] = ()
 
     def attempted(self, text: str) -> bool:
         return LIST_OF_CALLS.search(text) is not None
