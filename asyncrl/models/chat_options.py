@@ -141,7 +141,7 @@ class ChatOptions(Config):
 
 def decode_keeping(tokenizer: Any, ids: list[int], keep: Collection[int] = ()) -> str:
     """`ids` decoded without special tokens, except those in `keep`, written as their text."""
-    if not any(t in keep for t in ids):
+    if not keep or not any(t in keep for t in ids):
         return tokenizer.decode(ids, skip_special_tokens=True)
     parts, run = [], []
     for t in ids:
