@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import os
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from asyncrl.reward.call import call_rewards, inline
@@ -37,9 +38,8 @@ def slow_verifier(completion: str, row: dict[str, Any]) -> float:
     return 1.0 if completion.strip() == str(row["answer"]) else 0.0
 
 
-async def scored_with_heartbeat(reward: Any, completions: list[str], row: dict[str, Any]
-                                ) -> tuple[list[float], float, float]:
-    """(scores, wall seconds, the longest gap between 10 ms heartbeats while scoring)."""
+async def with_heartbeat(work: Awaitable[Any]) -> tuple[Any, float, float]:
+    """(work's result, wall seconds, the longest gap between 10 ms heartbeats while it ran)."""
     gaps: list[float] = []
     done = asyncio.Event()
 
@@ -55,12 +55,12 @@ async def scored_with_heartbeat(reward: Any, completions: list[str], row: dict[s
     await asyncio.sleep(0.05)
     start = time.monotonic()
     try:
-        scores = await call_rewards(reward, completions, row)
+        result = await work
     finally:
         wall = time.monotonic() - start
         done.set()
-        await task
-    return scores, wall, max(gaps)
+        await task  # its last beat measures a stall that ended with the work
+    return result, wall, max(gaps)
 
 
 def main() -> None:
@@ -75,14 +75,15 @@ def main() -> None:
 
     results: dict[str, tuple[float, float]] = {}
     on_loop = inline(lambda text, r: slow_verifier(text, r))
-    scores, wall, gap = asyncio.run(scored_with_heartbeat(on_loop, completions, row))
+    scores, wall, gap = asyncio.run(with_heartbeat(call_rewards(on_loop, completions, row)))
     assert scores == expected, scores
     results["on the loop (baseline)"] = (wall, gap)
     for executor in ("thread", "process"):
         spec = {"kind": "function", "path": "bench_reward_offloop:slow_verifier", "executor": executor,
                 "max_workers": args.n}
         with open_reward(spec) as reward:
-            scores, wall, gap = asyncio.run(scored_with_heartbeat(reward, completions, row))
+            scores, wall, gap = asyncio.run(with_heartbeat(call_rewards(reward, completions,
+                                                                         row)))
         assert scores == expected, (executor, scores)
         results[f"executor: {executor}"] = (wall, gap)
 

@@ -20,40 +20,19 @@ from asyncrl.reward.call import RewardError, call_reward, call_rewards, inline, 
 from asyncrl.reward.config import reward_spec_from_cli
 from asyncrl.reward.registry import open_reward
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_reward_offloop import with_heartbeat  # noqa: E402  (the benchmark's own meter)
+
 ROW = {"id": 7, "answer": "12", "messages": [{"role": "user", "content": "6+6?"}]}
-
-
-async def with_heartbeat(work):
-    """(work's result, the longest gap between 10 ms heartbeats while it ran)."""
-    gaps, done = [], asyncio.Event()
-
-    async def beat():
-        last = time.monotonic()
-        while not done.is_set():
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.create_task(beat())
-    await asyncio.sleep(0.02)
-    try:
-        result = await work
-    finally:
-        done.set()
-        await task  # its last beat measures a stall that ended with the work
-    return result, max(gaps)
 
 
 def test_slow_sync_reward_runs_off_the_loop_and_overlaps():
     with open_reward("reward_plugins:slow_reward") as reward:
         async def four_rollouts():
-            start = time.monotonic()
-            scores = await asyncio.gather(*(call_reward(reward, c, ROW)
-                                            for c in ("12", "13", "12", "x")))
-            return scores, time.monotonic() - start
+            return await asyncio.gather(*(call_reward(reward, c, ROW)
+                                          for c in ("12", "13", "12", "x")))
 
-        (scores, elapsed), worst_gap = asyncio.run(with_heartbeat(four_rollouts()))
+        scores, elapsed, worst_gap = asyncio.run(with_heartbeat(four_rollouts()))
     assert scores == [1.0, 0.0, 1.0, 0.0]
     assert elapsed < 1.2, f"4 x 0.5 s on 8 threads took {elapsed:.2f}s: not concurrent"
     assert worst_gap < 0.25, f"the event loop stalled for {worst_gap:.2f}s"
@@ -62,7 +41,7 @@ def test_slow_sync_reward_runs_off_the_loop_and_overlaps():
 def test_the_heartbeat_sees_a_reward_marked_inline_stall_the_loop():
     """The control for the test above: the same function called on the loop stalls it."""
     on_loop = inline(lambda c, row: reward_plugins.slow_reward(c, row))
-    _, worst_gap = asyncio.run(with_heartbeat(call_reward(on_loop, "12", ROW)))
+    _, _, worst_gap = asyncio.run(with_heartbeat(call_reward(on_loop, "12", ROW)))
     assert worst_gap >= 0.45
 
 
@@ -76,7 +55,7 @@ def test_only_the_cheap_built_ins_run_on_the_loop():
 
 
 def test_plain_sync_function_objects_also_run_off_the_loop():
-    scores, worst_gap = asyncio.run(with_heartbeat(
+    scores, _, worst_gap = asyncio.run(with_heartbeat(
         call_rewards(reward_plugins.slow_reward, ["12", "1"], ROW)))
     assert scores == [1.0, 0.0] and worst_gap < 0.25
 
