@@ -47,3 +47,10 @@ def openai_call(name: Any, arguments: Any) -> dict[str, Any] | None:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name,
                          "arguments": json.dumps(arguments, separators=(",", ":"))}}
+
+
+def skip_space(text: str, pos: int) -> int:
+    """The first position at or after `pos` that is not whitespace."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from asyncrl.models.tool_parsers.base import ToolCalls, openai_call
+from asyncrl.models.tool_parsers.base import ToolCalls, openai_call, skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -34,7 +34,7 @@ class Llama3JsonParser:
             return text, None
         calls, pos = [], start
         while True:
-            pos = _skip_space(text, pos)
+            pos = skip_space(text, pos)
             if pos >= len(text) or text[pos] != "{":
                 break
             try:
@@ -45,19 +45,13 @@ class Llama3JsonParser:
             if call is None:
                 return text, None
             calls.append(call)
-            pos = _skip_space(text, pos)
+            pos = skip_space(text, pos)
             if text.startswith(";", pos):
                 pos += 1
         if not calls:
             return text, None
         before = text[:tag] if tag >= 0 else text[:start]
         return (before + text[pos:]).strip() or None, calls
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
 
 
 def _call(obj: Any) -> dict | None:

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from asyncrl.models.tool_parsers.base import ToolCalls, openai_call
+from asyncrl.models.tool_parsers.base import ToolCalls, openai_call, skip_space
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 # a v11 call's head: its name, maybe its id, maybe [ARGS], then the arguments' `{`
@@ -38,7 +38,7 @@ class MistralParser:
         tag = text.find(TOOL_CALLS)
         if tag >= 0:
             before, start = text[:tag], tag + len(TOOL_CALLS)
-            parsed = (_array(text, start) if text[_skip(text, start):].startswith("[")
+            parsed = (_array(text, start) if text[skip_space(text, start):].startswith("[")
                       else _named(text, start))
         elif text.lstrip().startswith("[{"):  # the array form, its marker dropped by a decode
             before, parsed = "", _array(text, 0)
@@ -50,12 +50,6 @@ class MistralParser:
         return (before + text[end:]).strip() or None, calls
 
 
-def _skip(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
 def _decode(text: str, pos: int) -> tuple[Any, int] | None:
     try:
         return _DECODER.raw_decode(text, pos)
@@ -65,7 +59,7 @@ def _decode(text: str, pos: int) -> tuple[Any, int] | None:
 
 def _array(text: str, pos: int) -> tuple[ToolCalls, int] | None:
     """`[{"name": ..., "arguments": ...}, ...]` at `pos`: every element a well-formed call."""
-    decoded = _decode(text, _skip(text, pos))
+    decoded = _decode(text, skip_space(text, pos))
     if decoded is None or not isinstance(decoded[0], list) or not decoded[0]:
         return None
     calls = [openai_call(o.get("name"), o.get("arguments")) if isinstance(o, dict) else None
@@ -84,7 +78,7 @@ def _named(text: str, pos: int) -> tuple[ToolCalls, int] | None:
             return None
         calls.append(call)
         end = decoded[1]
-        nxt = _skip(text, end)
+        nxt = skip_space(text, end)
         if not text.startswith(TOOL_CALLS, nxt):
             return calls, end
         pos = nxt + len(TOOL_CALLS)
