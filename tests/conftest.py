@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -103,3 +104,18 @@ def proxy(model_dir, one_thread):
 
     with proxy_server(model_dir) as p:
         yield p
+
+
+def run_episodes(executor, rows, workflow, timeout=120.0):
+    """Every row once through `executor` (whose staleness budget must admit them all); the
+    accepted trajectories, oldest first. A test helper: training consumes `prepare_batch`."""
+    before = executor.stats()
+    finished = lambda s: s["accepted"] + s["rejected"] + s["failed"]  # noqa: E731
+    for row in rows:
+        executor.submit(row, workflow)
+    deadline = time.monotonic() + timeout
+    while finished(executor.stats()) - finished(before) < len(rows):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{len(rows)} episodes not finished in {timeout}s: {executor.stats()}")
+        time.sleep(0.01)
+    return executor.wait(executor.stats()["accepted"] - before["accepted"])

@@ -17,6 +17,7 @@ from asyncrl.proxy.server import ProxyServer
 from asyncrl.proxy.workflow import AgentWorkflow
 from asyncrl.rollout.executor import RolloutConfig, WorkflowExecutor
 from tests import agents_for_tests as agents
+from conftest import run_episodes
 
 ROWS = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)}
         for i in range(4)]
@@ -39,7 +40,7 @@ def run_rows(engine, tokenizer, agent, rows=ROWS, **cfg):
     workflow = AgentWorkflow(agent, ProxyServer(engine, tokenizer, proxy_cfg, context_length=256),
                              AgentConfig(**cfg))
     with WorkflowExecutor(engine, RolloutConfig(batch_size=len(rows))) as ex:
-        trajs = ex.rollout_batch(rows, workflow)
+        trajs = run_episodes(ex, rows, workflow)
         stats = ex.stats()
         ex.run(workflow.aclose())
     return trajs, stats, workflow
@@ -100,10 +101,10 @@ def test_blocked_subprocess_is_killed_and_the_pool_goes_on(engine, tokenizer, ca
     blocked = AgentWorkflow(agents.BlockingAgent(), proxy, cfg)
     fine = AgentWorkflow(agents.SyncEnvAgent(), proxy, cfg)
     fine.runner._pool = blocked.runner.pool()  # one shared single-worker pool
-    with WorkflowExecutor(engine, RolloutConfig(batch_size=1)) as ex:
-        assert ex.rollout_batch(ROWS[:1], blocked) == []
+    with WorkflowExecutor(engine, RolloutConfig(batch_size=2)) as ex:
+        assert run_episodes(ex, ROWS[:1], blocked) == []
         assert "timeout_s=3.0" in caplog.text
-        (traj,) = ex.rollout_batch(ROWS[1:2], fine)  # the killed worker was replaced
+        (traj,) = run_episodes(ex, ROWS[1:2], fine)  # the killed worker was replaced
         assert traj.samples[0].reward == 0.25
         blocked.runner.close_pool()
         fine.runner._pool = None

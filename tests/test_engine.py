@@ -19,6 +19,7 @@ from asyncrl.api import (
 )
 from asyncrl.inference import AsyncLLMEngine, EngineConfig, LLMEngine, kernels
 from asyncrl.inference.linear import KernelMatmuls, OneDNNMatmuls
+from asyncrl.inference.model_runner import iter_safetensors
 
 VOCAB = 128
 LENGTHS = [3, 8, 17, 30, 5, 12]
@@ -244,7 +245,7 @@ def test_weight_update_mid_stream(model_dir, hf, prompts, hf_greedy, tmp_path):
     assert torch.allclose(got[:6], lp_old[:6], atol=1e-4)
     # From disk: the same weights saved as an HF directory, a new version.
     new.save_pretrained(tmp_path / "v2")
-    eng.update_weights_from_disk(str(tmp_path / "v2"), version=2)
+    eng.update_weights_from_state_dict(iter_safetensors(tmp_path / "v2"), version=2)
     out2 = eng.generate([ModelRequest(prompts[1], greedy())])[0]
     assert out2.output_versions == [2] * 24
     with torch.inference_mode():

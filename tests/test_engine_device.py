@@ -18,6 +18,7 @@ from asyncrl.api import GenerationConfig, ModelRequest
 from asyncrl.inference import EngineConfig, LLMEngine
 from asyncrl.inference.engine import EngineSettings, resolve_device, resolve_dtype
 from asyncrl.inference.llama import LlamaArgs
+from asyncrl.inference.model_runner import iter_safetensors
 from asyncrl.launch.devices import check_engine_placement, engine_dtype_name, resolve
 
 VOCAB = 128
@@ -206,7 +207,7 @@ def exercise(eng, prompts, weights, disk_dir):
     eng.update_weights_from_state_dict(weights, version=1)
     while eng.has_unfinished():
         done.update((o.rid, o) for o in eng.step())
-    eng.update_weights_from_disk(str(disk_dir), version=2)
+    eng.update_weights_from_state_dict(iter_safetensors(disk_dir), version=2)
     again = eng.generate([ModelRequest(prompts[4], greedy(4))])
     return [done[r.rid] for r in reqs] + again
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError
-from asyncrl.train.aggregation import aggregate, loss_normalizer
+from asyncrl.train.aggregation import aggregate, normalizer_count, normalizer_unit
 from asyncrl.train.losses import (
     PPOLossConfig,
     critic_value_loss,
-    grpo_loss,
     ppo_actor_loss,
     ppo_policy_loss,
     sft_loss,
@@ -178,8 +177,8 @@ def test_token_vs_sequence_aggregation():
     adv = t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
     # Per-token loss is -A (ratio 1); row 2 has no loss tokens and counts nowhere.
-    assert loss_normalizer(mask, "token_mean").item() == 4
-    assert loss_normalizer(mask, "seq_mean_token_mean").item() == 2
+    assert normalizer_count(mask, normalizer_unit("token_mean")).item() == 4
+    assert normalizer_count(mask, normalizer_unit("seq_mean_token_mean")).item() == 2
     assert unit_ratio_loss(adv, mask, "token_mean", 4) == pytest.approx(-(1 + 2 + 3 + 4) / 4)
     assert unit_ratio_loss(adv, mask, "seq_mean_token_mean", 2) == pytest.approx(-(2 + 4) / 2)
     assert unit_ratio_loss(adv, mask, "seq_mean_token_sum", 2) == pytest.approx(-(6 + 4) / 2)
@@ -206,7 +205,7 @@ def test_micro_batches_with_global_normalizer_equal_one_big_batch(agg, level):
     cfg = PPOLossConfig(
         eps_clip_higher=0.3, c_clip=2.0, behav_imp_weight_cap=1.5, ratio_level=level, loss_agg=agg
     )
-    norm = loss_normalizer(mask, agg)
+    norm = normalizer_count(mask, normalizer_unit(agg))
     full, _ = ppo_policy_loss(lp, prox, behav, adv, mask, norm, cfg)
     (full_grad,) = torch.autograd.grad(full, lp)
     total = 0.0
@@ -284,18 +283,6 @@ def test_actor_loss_adds_entropy_bonus_and_kl_term():
     reward_cfg = cfg.model_copy(update={"kl_as": "reward", "entropy_coef": 0.0})
     plain, _ = ppo_actor_loss(lp, zeros, zeros, t([1.0, 1.0]), mask, 2, reward_cfg)
     assert plain.item() == pytest.approx(pg, abs=1e-12)
-
-
-def test_grpo_loss_is_ppo_on_group_normalised_advantages():
-    rewards, groups = t([1.0, 0.0, 0.0]), torch.tensor([5, 5, 5])
-    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
-    zeros = torch.zeros(3, 3, dtype=F64)
-    loss, _ = grpo_loss(zeros, zeros, zeros, rewards, groups, mask, 6, PPOLossConfig())
-    mean = 1 / 3
-    std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased
-    adv = [(r - mean) / (std + 1e-6) for r in (1.0, 0.0, 0.0)]
-    expected = -(adv[0] * 1 + adv[1] * 2 + adv[2] * 3) / 6
-    assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_critic_value_loss_clipping_by_hand():

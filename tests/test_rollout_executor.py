@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from asyncrl.api import ModelRequest, ModelResponse, PolicyVersion, Sample, StopReason, Trajectory
 from asyncrl.rollout.executor import RolloutConfig, WorkflowExecutor
 from asyncrl.rollout.staleness import StalenessManager
+from conftest import run_episodes
 
 
 class SlowEngine:
@@ -120,9 +121,9 @@ def test_async_keeps_the_engine_generating_while_the_trainer_trains():
 
 
 def test_failing_workflow_is_rejected_and_logged_not_fatal(caplog):
-    cfg = RolloutConfig(batch_size=4, max_concurrent_rollouts=8)
+    cfg = RolloutConfig(batch_size=9, max_concurrent_rollouts=8)
     with caplog.at_level(logging.WARNING), WorkflowExecutor(SlowEngine(), cfg) as ex:
-        out = ex.rollout_batch([{"id": i} for i in range(9)], Exploding())
+        out = run_episodes(ex, [{"id": i} for i in range(9)], Exploding())
         assert len(out) == 6
         assert ex.stats()["failed"] == 3 and ex.stats()["accepted"] == 6
     assert "ZeroDivisionError" in caplog.text and "data id=" in caplog.text
@@ -160,7 +161,7 @@ def test_wait_times_out_with_stats():
 def test_trajectory_dump(tmp_path):
     cfg = RolloutConfig(batch_size=2, dump_dir=str(tmp_path / "dump"))
     with WorkflowExecutor(SlowEngine(), cfg) as ex:
-        ex.rollout_batch([{"id": 1, "answer": "3"}, {"id": 2, "answer": "4"}], OneShot())
+        run_episodes(ex, [{"id": 1, "answer": "3"}, {"id": 2, "answer": "4"}], OneShot())
     lines = (tmp_path / "dump" / "v000000.jsonl").read_text().splitlines()
     recs = sorted((json.loads(x) for x in lines), key=lambda r: r["id"])
     assert [r["answer"] for r in recs] == ["3", "4"]

@@ -18,7 +18,6 @@ from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.train.optim import OptimizerConfig
 from asyncrl.train.packing import (
     balanced_partition,
-    build_micro_batches,
     first_fit_decreasing,
     pack_samples,
     padded_layout,
@@ -81,8 +80,12 @@ def test_balanced_partition_and_plan():
     parts = balanced_partition(lengths, 2)
     assert [sum(lengths[i] for i in p) for p in parts] == [18, 18]
     assert balanced_partition([3], 3)[1:] == [[], []]
-    groups = plan_micro_batches(lengths, 12, min_count=4)
+    samples = make_samples(lengths)
+    groups = plan_micro_batches(samples, range(len(samples)), 12, agree=lambda n: max(n, 4))
     assert len(groups) == 4 and all(sum(lengths[i] for i in g) <= 12 for g in groups)
+    # least-loaded placement would put 9 + 2 together, over 10; FFD's bins always fit
+    tight = make_samples([7, 2, 9, 6, 3, 2])
+    assert sorted(plan_micro_batches(tight, range(6), 10)) == [[0, 4], [1, 3, 5], [2]]
 
 
 def test_pack_samples_layout_and_unpack_roundtrip():
@@ -104,10 +107,15 @@ def test_pack_samples_layout_and_unpack_roundtrip():
 
 def test_micro_batches_cover_every_sample_once():
     samples = make_samples([9, 4, 7, 3, 8, 2, 6])
-    mbs = build_micro_batches(samples, 12)
+    mbs = [pack_samples(samples, g)
+           for g in plan_micro_batches(samples, range(len(samples)), 12)]
     seen = sorted(i for mb in mbs for i in mb.sample_index)
     assert seen == list(range(len(samples)))
     assert all(mb.num_tokens <= 12 for mb in mbs)
+
+
+def pack_all(samples):
+    return pack_samples(samples, range(len(samples)))
 
 
 # --- engine ------------------------------------------------------------------------------
@@ -137,7 +145,7 @@ def test_packed_forward_equals_unpadded_and_padded(model_dir, layout):
 def test_packed_grads_equal_per_sequence_grads(model_dir, layout):
     eng = engine(model_dir, max_tokens_per_mb=64, attention_layout=layout)
     samples = make_samples([6, 10, 4], seed=1)
-    mb = build_micro_batches(samples, 64)[0]
+    mb = pack_all(samples)
     assert len(mb.sample_index) == 3
     mask = mb.tensors["loss_mask"]
     eng.packed_logprobs(mb)[mask].sum().backward()
@@ -241,7 +249,7 @@ def grouped_samples(prompts=((5, 9, 14, 3), (7, 21)), per_group=3, seed=4) -> li
 def test_shared_prefix_logprobs_equal_whole_sequences(model_dir):
     eng = engine(model_dir, attention_layout="padded")
     samples = grouped_samples()
-    mb = build_micro_batches(samples, 1000)[0]
+    mb = pack_all(samples)
     lay = shared_prefix_layout(mb)
     assert lay is not None and lay.prefix_ids.shape == (2, 3)  # each prompt but its last token
     got = eng.forward(samples)
@@ -256,7 +264,7 @@ def test_shared_prefix_logprobs_equal_whole_sequences(model_dir):
 def test_shared_prefix_grads_equal_per_sequence_grads(model_dir):
     eng = engine(model_dir, attention_layout="padded")
     samples = grouped_samples(seed=5)
-    mb = build_micro_batches(samples, 1000)[0]
+    mb = pack_all(samples)
     eng.packed_logprobs(mb)[mb.tensors["loss_mask"]].sum().backward()
     shared = {n: p.grad.clone() for n, p in eng.model.named_parameters()}
     eng.model.zero_grad()
@@ -282,7 +290,7 @@ def test_plan_keeps_a_prompt_group_in_one_micro_batch(model_dir):
 
 
 def test_padded_layout_places_each_token(model_dir):
-    mb = build_micro_batches(make_samples([3, 5, 1]), 64)[0]
+    mb = pack_all(make_samples([3, 5, 1]))
     ids, mask, index = padded_layout(mb)
     assert ids.shape == mask.shape == (3, 5) and int(mask.sum()) == mb.num_tokens == 9
     assert torch.equal(ids.flatten()[index], mb.input_ids[0])

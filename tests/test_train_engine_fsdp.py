@@ -41,7 +41,7 @@ from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
 from asyncrl.train.checkpoint import TRAINER_FILE, derived_seed
 from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
 from asyncrl.train.optim import OptimizerConfig
-from asyncrl.train.packing import build_micro_batches, shared_prefix_layout
+from asyncrl.train.packing import pack_samples, shared_prefix_layout
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                        intermediate_size=128)
@@ -266,7 +266,7 @@ def test_fsdp_two_ranks_equal_one_process(worker):
         assert abs(d["sft/nll_per_token"] - s["sft/nll_per_token"]) < 1e-5
     assert_states_equal(dist_run["state"], single.model.state_dict(), atol=1e-5)
     assert single.share_prefixes and shared_prefix_layout(
-        build_micro_batches(make_samples()[:3], 100)[0]) is not None
+        pack_samples(make_samples()[:3], range(3))) is not None
     for sample, a, b in zip(make_samples(), dist_run["logprobs"], logprobs):
         trained = torch.tensor(sample.loss_mask, dtype=torch.bool)
         torch.testing.assert_close(a[trained], b[trained], atol=1e-5, rtol=0)

@@ -16,6 +16,7 @@ from asyncrl.rollout.arithmetic_env import ArithmeticEnv, ChatAgent
 from asyncrl.rollout.executor import RolloutConfig, WorkflowExecutor
 from asyncrl.rollout.multi_turn import MultiTurnConfig, MultiTurnWorkflow
 from asyncrl.rollout.rlvr import RLVRWorkflow
+from conftest import run_episodes
 
 TOK = build_char_tokenizer()
 REWARD = answer_reward(exact_answer_reward)
@@ -97,7 +98,7 @@ def test_rlvr_on_the_real_engine_through_the_executor(tmp_path):
     rows = [dict(DATA, id=f"q{i}") for i in range(3)]
     try:
         with WorkflowExecutor(engine, RolloutConfig(batch_size=3)) as ex:
-            trajs = ex.rollout_batch(rows, wf)
+            trajs = run_episodes(ex, rows, wf)
     finally:
         engine.shutdown()
     assert len(trajs) == 3 and all(len(t) == 4 for t in trajs)

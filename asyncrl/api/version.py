@@ -1,10 +1,11 @@
-"""The policy version: one owner advances it, everyone else reads it.
+"""The policy version: one owner moves it, everyone else reads it.
 
-The trainer's engine owns the version of the weights it trains (`advance` once per policy update,
-`set` on resume). The rollout executor subscribes, so its staleness capacity follows each update;
-the loop reads it for logs and checkpoints. An inference engine reports the version of the weights
-it holds (`InferenceEngine.get_version`): that one trails this one while a push is in flight, and
-is set only by `update_weights(meta)` with `meta.version`.
+A run has two: the trainer's engine owns the version of the weights it trains (`advance` once per
+policy update, `set` on resume); the rollout side owns the version every engine serves (`set` once
+a push has reached all of them), which trails the trainer's while a push is in flight. The rollout
+executor subscribes to the served one, so its staleness capacity re-opens when new weights are
+being served. An inference engine reports the version of the weights it holds
+(`InferenceEngine.get_version`), set only by `update_weights(meta)` with `meta.version`.
 """
 
 from __future__ import annotations

@@ -323,11 +323,6 @@ class LLMEngine:
         self.version = version
         self.scheduler.invalidate_cache()
 
-    def update_weights_from_disk(self, path: str, version: int) -> None:
-        # Staged in host memory and copied into the device weights: `load_weights` checks every
-        # tensor before the first copy, so loading straight to the GPU would hold two copies.
-        self.update_weights_from_state_dict(iter_safetensors(path), version)
-
     def generate(self, requests: list[ModelRequest]) -> list[ModelResponse]:
         """Run `requests` to completion (blocking); responses in request order."""
         if self.paused:

@@ -86,10 +86,6 @@ class ServerPool:
         with self._lock:
             server.in_flight -= 1
 
-    def sticky_server(self, rid: str) -> int | None:
-        with self._lock:
-            return self._sticky.get(rid)
-
     def _choose(self, healthy: list[ServerState]) -> ServerState:
         n = len(self.servers)
         # Distance from the cursor breaks ties, so equal loads still rotate over the servers.
@@ -160,10 +156,6 @@ class ServerPool:
     def set_version(self, server: ServerState, version: int) -> None:
         with self._lock:
             server.version = version
-
-    def healthy_count(self) -> int:
-        with self._lock:
-            return sum(s.health is ServerHealth.HEALTHY for s in self.servers)
 
     def describe(self) -> str:
         """One line per server for error messages: address, health, last error."""

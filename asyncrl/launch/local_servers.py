@@ -110,14 +110,6 @@ class LocalServers:
         raise ServerStartError(f"inference server {i} ({' '.join(cmd.argv[:4])} ...) {why}; "
                                f"log {self.log_dir / f'server_{i}.log'}:\n{tail}")
 
-    def kill(self, index: int) -> None:
-        """SIGKILL one server with every process it started, as a lost machine would (tests of
-        failover)."""
-        _signal_group(self.procs[index], signal.SIGKILL)
-
-    def alive(self) -> list[bool]:
-        return [p.poll() is None for p in self.procs]
-
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every server's process group, SIGKILL what is left after `grace_s`.
 

@@ -68,7 +68,6 @@ class RayServers:
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.nodes: list[str] = []
-        self.replaced = 0  # addresses handed to the engine after restarts
 
     def __enter__(self) -> RayServers:
         import ray
@@ -139,6 +138,5 @@ class RayServers:
                     continue
                 if url != self.urls[i]:
                     self.urls[i], self.nodes[i] = url, node
-                    self.replaced += 1
                     engine.replace_server(i, url)
                     self._record()

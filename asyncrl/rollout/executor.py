@@ -1,8 +1,8 @@
 """The workflow executor: runs episodes on an asyncio loop of its own thread, under the staleness
 bound, and hands the trainer batches of finished trajectories.
 
-The trainer thread calls the synchronous API (`submit`, `wait`, `rollout_batch`, `prepare_batch`,
-`pause`, `resume`); episodes run concurrently on the executor's loop so engines stay
+The trainer thread calls the synchronous API (`prepare_batch`, `submit`, `wait`, `pause`,
+`resume`); episodes run concurrently on the executor's loop so engines stay
 fed while the trainer computes. Trajectories are handed out oldest-start first; one that became
 staler than eta before it was consumed is not trained on: its prompt is queued again, so nothing is
 lost. A workflow that raises is a failed episode, never a crashed run; rejections are logged
@@ -13,8 +13,9 @@ executor holds (rows not started, trajectories not consumed, suspended episodes 
 generation journals: rollout/journal.py); `restore` puts a snapshot back, in this process or
 after a restart, and suspended episodes continue from the tokens they had.
 
-The policy version is read from the trainer's `PolicyVersion` (its owner); the executor subscribes
-so that a new version re-opens the staleness capacity at once.
+The policy version is the one the engines serve (a `PolicyVersion` owned by the job's rollout
+side, moved once every engine holds new weights); the executor reads it and subscribes, so that a
+push re-opens the staleness capacity at once.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class _Job:
     data: dict[str, Any]
     workflow: RolloutWorkflow
     accept: AcceptFn | None
-    batch: int | None = None  # rollout_batch id, to count its finished episodes
     episode_id: str = field(default_factory=new_episode_id)
     # a suspended episode continued: its start version and the journal it replays
     start_version: int | None = None
@@ -86,8 +86,8 @@ class _Done:
 class WorkflowExecutor:
     def __init__(self, engine: InferenceEngine, cfg: RolloutConfig,
                  version: PolicyVersion | None = None) -> None:
-        """`version`: the trainer's (read here, never written); None: one of its own, for
-        rollouts without a trainer."""
+        """`version`: the version the engines serve (read here, never written); None: one of
+        its own, for rollouts without a trainer."""
         self.engine, self.cfg = engine, cfg
         self.manager = StalenessManager(cfg.max_concurrent_rollouts, cfg.batch_size,
                                         cfg.max_head_offpolicyness)
@@ -105,8 +105,6 @@ class WorkflowExecutor:
         self.restored: dict[str, str] = {}  # episode id -> outcome, for the last `restore`
         self.counts: Counter[str] = Counter()  # suspended, restarted, replayed/continued calls
         self._seq = itertools.count()
-        self._batch_ids = itertools.count()
-        self._batch_finished: dict[int, int] = {}
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()
@@ -119,9 +117,9 @@ class WorkflowExecutor:
     # ---- trainer-facing API ---------------------------------------------------------------
 
     def submit(self, data: dict[str, Any], workflow: RolloutWorkflow,
-               should_accept: AcceptFn | None = None, _batch: int | None = None) -> None:
+               should_accept: AcceptFn | None = None) -> None:
         with self._cond:
-            self._pending.append(_Job(data, workflow, should_accept, _batch))
+            self._pending.append(_Job(data, workflow, should_accept))
         self._kick()
 
     def wait(self, count: int, timeout: float | None = None) -> list[Trajectory]:
@@ -137,23 +135,6 @@ class WorkflowExecutor:
                     raise TimeoutError(f"wait(count={count}) timed out after {timeout}s with "
                                        f"{len(self._done)} ready; stats: {self.stats()}")
                 self._cond.wait(left if left is not None else 1.0)
-
-    def rollout_batch(self, data: list[dict[str, Any]], workflow: RolloutWorkflow,
-                      should_accept: AcceptFn | None = None) -> list[Trajectory]:
-        """Run one episode per item and return the accepted trajectories (synchronous use)."""
-        batch = next(self._batch_ids)
-        with self._cond:
-            self._batch_finished[batch] = 0
-        for item in data:
-            self.submit(item, workflow, should_accept, _batch=batch)
-        with self._cond:
-            while self._batch_finished[batch] < len(data):
-                self._cond.wait(1.0)
-            del self._batch_finished[batch]
-            mine = [d for d in self._done if d.job.batch == batch]
-            self._done = [d for d in self._done if d.job.batch != batch]
-            heapq.heapify(self._done)
-            return [self._consume(d) for d in sorted(mine)]
 
     def prepare_batch(self, data: Iterator[dict[str, Any]], workflow: RolloutWorkflow,
                       should_accept: AcceptFn | None = None,
@@ -269,7 +250,7 @@ class WorkflowExecutor:
                                                     j.replay))
             self.manager.take_out(1)
         self._resumed.clear()
-        return [j for j in self._pending if j.batch is None]
+        return list(self._pending)
 
     async def _settle(self, timeout: float) -> None:
         """Wait until every episode ended and every interrupted call is in its journal."""
@@ -349,16 +330,10 @@ class WorkflowExecutor:
                     job = self._resumed.popleft()
                     self.manager.on_submit(admitted=True)
                     self._start(job, job.start_version)
-                while self._pending and not self.paused:
-                    job = self._pending[0]
-                    synchronous = job.batch is not None
-                    free = (self.manager.max_concurrent - self.manager.stats.running if synchronous
-                            else self.manager.capacity(self.version))
-                    if free <= 0:
-                        break
-                    self._pending.popleft()
-                    self.manager.on_submit(counted=not synchronous)
-                    self._start(job, self.version)
+                while (self._pending and not self.paused
+                       and self.manager.capacity(self.version) > 0):
+                    self.manager.on_submit()
+                    self._start(self._pending.popleft(), self.version)
 
     def _start(self, job: _Job, start_version: int) -> None:
         task = self._loop.create_task(self._run(job, start_version))
@@ -412,18 +387,15 @@ class WorkflowExecutor:
                 if self.dump is not None:
                     self.dump.write(traj, job.data, start_version)
             else:
-                self.manager.on_reject(failed=status == RolloutStatus.FAILED,
-                                       counted=job.batch is None)
+                self.manager.on_reject(failed=status == RolloutStatus.FAILED)
                 self.rejections.rejected(kind, reason, error)
             self._outcome(job, status.value)
-            if job.batch is not None:
-                self._batch_finished[job.batch] += 1
             self._cond.notify_all()
         self._wake.set()
 
     def _on_suspended(self, job: _Job, start_version: int, journal: EpisodeJournal) -> None:
         with self._cond:
-            self.manager.on_suspend(counted=job.batch is None)
+            self.manager.on_suspend()
             self._suspended.append(SuspendedEpisode(job.episode_id, job.data, start_version,
                                                     journal))
             self.counts["suspended"] += 1
@@ -431,7 +403,7 @@ class WorkflowExecutor:
 
     def _restart(self, job: _Job) -> None:
         with self._cond:
-            self.manager.on_suspend(counted=job.batch is None)
+            self.manager.on_suspend()
             job.replay = job.start_version = None
             self._pending.appendleft(job)
             self.counts["restarted"] += 1
@@ -443,20 +415,14 @@ class WorkflowExecutor:
 
     def _drop_stale(self) -> None:
         """Re-queue the prompts of ready trajectories that got too old (caller holds the lock)."""
-        keep = []
         while self._done and self.manager.is_too_stale(self._done[0].start_version, self.version):
             done = heapq.heappop(self._done)
-            if done.job.batch is not None:  # a synchronous batch's; its caller takes it as is
-                keep.append(done)
-                continue
             self.manager.on_stale_drop()
             self._outcome(done.job, "stale_dropped")  # its row runs again as a new episode
             self._pending.appendleft(_Job(done.job.data, done.job.workflow, done.job.accept))
             self._kick()
-        for done in keep:
-            heapq.heappush(self._done, done)
 
     def _consume(self, done: _Done) -> Trajectory:
-        self.manager.on_consume(done.start_version, self.version, counted=done.job.batch is None)
+        self.manager.on_consume(done.start_version, self.version)
         self._outcome(done.job, "consumed")
         return done.traj

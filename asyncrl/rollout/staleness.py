@@ -41,9 +41,7 @@ class StalenessManager:
                 raise ValueError(f"{name}={value} is out of range; allowed [{lo}, inf)")
         self.max_concurrent, self.batch_size, self.eta = max_concurrent, batch_size, eta
         self.stats = StalenessStats()
-        # Accepted-not-yet-dropped plus running episodes that count against the staleness budget.
-        # Synchronous batches (`counted=False`) are consumed at the version they started in, so
-        # they only count against concurrency.
+        # Accepted-not-yet-dropped plus running episodes: what counts against the staleness budget.
         self._budget_used = 0
 
     def capacity(self, version: int) -> int:
@@ -52,20 +50,20 @@ class StalenessManager:
         by_staleness = (self.eta + version + 1) * self.batch_size - self._budget_used
         return max(0, min(by_concurrency, by_staleness))
 
-    def on_submit(self, counted: bool = True, admitted: bool = False) -> None:
+    def on_submit(self, admitted: bool = False) -> None:
         """`admitted`: a suspended episode continuing (already submitted and in the budget)."""
         self.stats.running += 1
         if not admitted:
             self.stats.submitted += 1
-            self._budget_used += counted
+            self._budget_used += 1
 
     def on_accept(self) -> None:
         self.stats.running -= 1
         self.stats.accepted += 1
 
-    def on_reject(self, failed: bool = False, counted: bool = True) -> None:
+    def on_reject(self, failed: bool = False) -> None:
         self.stats.running -= 1
-        self._budget_used -= counted
+        self._budget_used -= 1
         if failed:
             self.stats.failed += 1
         else:
@@ -79,11 +77,11 @@ class StalenessManager:
         self.stats.stale_dropped += 1
         self._budget_used -= 1
 
-    def on_suspend(self, counted: bool = True) -> None:
+    def on_suspend(self) -> None:
         """A running episode was suspended (or cancelled to run again): it leaves the budget
         until `restore` brings it back."""
         self.stats.running -= 1
-        self._budget_used -= counted
+        self._budget_used -= 1
 
     def take_out(self, n: int) -> None:
         """`n` ready or suspended episodes leave the executor for a checkpoint."""
@@ -111,8 +109,8 @@ class StalenessManager:
         self.stats = StalenessStats(**fields, staleness_histogram=hist)
         self._budget_used = self.stats.consumed
 
-    def on_consume(self, start_version: int, version: int, counted: bool = True) -> None:
-        self.stats.consumed += counted
+    def on_consume(self, start_version: int, version: int) -> None:
+        self.stats.consumed += 1
         lag = version - start_version
         hist = self.stats.staleness_histogram
         hist[lag] = hist.get(lag, 0) + 1

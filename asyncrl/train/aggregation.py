@@ -6,8 +6,8 @@ micro-batch divided by its own token count, the summed gradient would weight sho
 more than one big batch would. With the step's global count passed to every micro-batch, the sum
 of micro-batch losses is the big-batch loss exactly (values and gradients).
 
-Aggregation modes and what `normalizer` must be (computed over the whole step with
-`loss_normalizer`, summed across micro-batches / data-parallel ranks):
+Aggregation modes and what `normalizer` must be (`normalizer_count` summed over every
+micro-batch of the step and every data-parallel rank):
 
 - "token_mean":          sum over loss tokens of l_t / normalizer; normalizer = number of loss
                          tokens in the step. Every token weighs the same (DAPO).
@@ -93,10 +93,6 @@ def _seq_mean_sum(loss_tok: torch.Tensor, mask: torch.Tensor,
     return per_sequence_mean(loss_tok, mask, seq_id).sum()
 
 
-def _token_count(mask: torch.Tensor, seq_id: torch.Tensor | None) -> torch.Tensor:
-    return mask.bool().sum()
-
-
 def sequence_count(mask: torch.Tensor, seq_id: torch.Tensor | None) -> torch.Tensor:
     _require_sequences(mask, seq_id, "a sequence-level normaliser")
     if seq_id is not None and mask.ndim == 1:
@@ -112,12 +108,6 @@ _NUMERATORS: dict[str, Reduce] = {
     "seq_mean_token_mean": _seq_mean_sum,
     "seq_mean_token_sum": _token_sum,
 }
-_COUNTS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
-    "token_mean": _token_count,
-    "seq_mean_token_mean": sequence_count,
-    "seq_mean_token_sum": sequence_count,
-}
-
 
 def _check_agg(loss_agg: str) -> None:
     if loss_agg not in _NUMERATORS:
@@ -143,13 +133,13 @@ def normalizer_unit(loss_agg: LossAgg) -> str:
     return "tokens" if loss_agg == "token_mean" else "sequences"
 
 
-def loss_normalizer(loss_mask: torch.Tensor, loss_agg: LossAgg = "token_mean",
-                    seq_id: torch.Tensor | None = None) -> torch.Tensor:
-    """The count `aggregate` divides by, for the step's full loss_mask [B, T] (or packed [N]
-    with seq_id).
-
-    Call it on the whole step's batch (or sum it over micro-batches and ranks), then pass the
-    same value to every micro-batch. Clamped to >= 1 so an all-masked step gives loss 0, not nan.
-    """
-    _check_agg(loss_agg)
-    return _COUNTS[loss_agg](loss_mask, seq_id).clamp(min=1)
+def normalizer_count(loss_mask: torch.Tensor, unit: str,
+                     seq_id: torch.Tensor | None = None) -> torch.Tensor:
+    """What one micro-batch adds to its step's normaliser (`unit` from `normalizer_unit`): its
+    trained tokens, or its sequences with a trained token (packed [N]: with seq_id). The step's
+    normaliser is the sum over every micro-batch and rank, clamped to >= 1."""
+    if unit == "tokens":
+        return loss_mask.bool().sum()
+    if unit != "sequences":
+        raise ValueError(f"unit={unit!r} is not allowed; allowed: tokens, sequences")
+    return sequence_count(loss_mask, seq_id)

@@ -23,7 +23,7 @@ import torch
 from asyncrl.api.trajectory import Sample
 from asyncrl.api.version import PolicyVersion
 from asyncrl.config import Config
-from asyncrl.train.aggregation import sequence_count
+from asyncrl.train.aggregation import normalizer_count
 from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.train.regularizers import entropy_from_logits
 from asyncrl.train.losses import sft_loss
@@ -32,16 +32,13 @@ from asyncrl.train.lora import (LoraConfig, adapter_state_dict, apply_lora, lora
 from asyncrl.train.optim import OptimizerConfig, build_optimizer
 from asyncrl.train.packing import (
     PackedMicroBatch,
-    balanced_partition,
-    first_fit_decreasing,
-    next_token_logprobs_aligned,
     SharedPrefixLayout,
     TokenData,
+    next_token_logprobs_aligned,
     pack_samples,
     padded_layout,
-    prefix_units,
+    plan_micro_batches,
     shared_prefix_layout,
-    unit_tokens,
     unpack,
 )
 
@@ -268,16 +265,10 @@ class HFTrainEngine:
         self, samples: Sequence[Sample], token_data: TokenData | None
     ) -> tuple[list[PackedMicroBatch], int]:
         """This rank's micro-batches and the count every rank runs (for lock-step collectives)."""
-        local = self._local_indices(samples)
-        # Samples sharing a prompt stay in one micro-batch, so it is computed once.
-        units = prefix_units(samples, local) if self.share_prefixes else [[i] for i in local]
-        costs = [unit_tokens(samples, u) for u in units]
-        n_local = len(first_fit_decreasing(costs, self.cfg.max_tokens_per_mb)) if units else 0
-        count = max(1, self._dist_max(n_local))
-        parts = balanced_partition(costs, count) if units else [[] for _ in range(count)]
-        mbs = [pack_samples(samples, [i for u in part for i in units[u]], token_data)
-               for part in parts if part]
-        return mbs, count
+        groups = plan_micro_batches(samples, self._local_indices(samples),
+                                    self.cfg.max_tokens_per_mb, self.share_prefixes,
+                                    agree=self._dist_max)
+        return [pack_samples(samples, g, token_data) for g in groups if g], len(groups)
 
     def _dummy_micro_batch(self) -> PackedMicroBatch:
         """One token, zero loss: keeps a rank with less data in step with the others' collectives."""
@@ -348,8 +339,7 @@ class HFTrainEngine:
         """Trained tokens, or sequences with a trained token, over this step on every rank."""
         local = torch.zeros((), dtype=torch.float32)
         for mb in mbs:
-            local += (mb.loss_mask.sum() if unit == "tokens"
-                      else sequence_count(mb.loss_mask, mb.seq_id))
+            local += normalizer_count(mb.loss_mask, unit, mb.seq_id)
         return self._dist_sum(local.to(self.device)).clamp(min=1)
 
     def _finish_step(

@@ -15,7 +15,7 @@ The policy loss is AReaL's decoupled PPO objective, which covers the usual varia
     loss  = aggregate(w_t * l_t) / normalizer
 
 With proximal == behaviour, w = 1 and this is standard PPO; GRPO is this loss on group-normalised
-advantages without a critic (`grpo_loss`).
+advantages without a critic (`advantages.grpo_advantages`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch
 from asyncrl.api.loss import LossInputs
 from asyncrl.api.validation import check_range
 from asyncrl.config import Config
-from asyncrl.train.advantages import expand_to_tokens, grpo_advantages
 from asyncrl.train.aggregation import LossAgg, aggregate, masked_mean, normalizer_unit
 from asyncrl.train.corrections import bound_weights, cispo_token_loss, log_weights
 from asyncrl.train.regularizers import KLKind, kl_penalty
@@ -238,31 +237,6 @@ class PPOLoss:
                               inputs.advantages, inputs.loss_mask, normalizer, self.cfg,
                               entropy=inputs.entropy, ref_logprobs=inputs.ref_logprobs,
                               seq_id=inputs.seq_id)
-
-
-def grpo_loss(
-    logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    normalizer: float | torch.Tensor,
-    cfg: PPOLossConfig,
-    entropy: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO: the PPO actor loss on group-normalised outcome advantages, no critic.
-
-    rewards [B] and group_ids [B] for the rows of the [B, T] tensors; every group must be whole
-    in this call, since its mean and std are the baseline. (A trainer that micro-batches computes
-    advantages once per step with `advantages.compute_advantages` and calls `ppo_actor_loss`.)
-    """
-    advantages = expand_to_tokens(grpo_advantages(rewards, group_ids), loss_mask)
-    return ppo_actor_loss(
-        logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, normalizer, cfg,
-        entropy=entropy, ref_logprobs=ref_logprobs,
-    )
 
 
 def critic_value_loss(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -107,21 +107,6 @@ def balanced_partition(lengths: Sequence[int], num_parts: int) -> list[list[int]
     return [sorted(p) for p in parts]
 
 
-def plan_micro_batches(
-    lengths: Sequence[int], max_tokens: int, min_count: int = 1
-) -> list[list[int]]:
-    """Groups of indices, one per micro-batch: as few as the budget allows (but >= min_count,
-    so data-parallel ranks can agree on a common count), balanced by tokens."""
-    ffd = first_fit_decreasing(lengths, max_tokens)
-    count = max(min_count, len(ffd))
-    groups = balanced_partition(lengths, count)
-    overflow = any(len(g) > 1 and sum(lengths[i] for i in g) > max_tokens for g in groups)
-    if overflow and count == len(ffd):
-        # Least-loaded placement can overflow where FFD packed tightly; FFD's bins always fit.
-        groups = [sorted(g) for g in ffd]
-    return groups
-
-
 TokenData = Mapping[str, Sequence[torch.Tensor]]
 
 
@@ -181,18 +166,6 @@ def pack_samples(
     )
 
 
-def build_micro_batches(
-    samples: Sequence[Sample],
-    max_tokens: int,
-    token_data: TokenData | None = None,
-    min_count: int = 1,
-) -> list[PackedMicroBatch]:
-    """All of `samples` as packed micro-batches of at most `max_tokens` tokens each (see
-    `plan_micro_batches`); empty groups (fewer samples than `min_count`) are left out."""
-    groups = plan_micro_batches([len(s.input_ids) for s in samples], max_tokens, min_count)
-    return [pack_samples(samples, g, token_data) for g in groups if g]
-
-
 def padded_layout(mb: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed row as k right-padded rows: input_ids [k, L], attention_mask [k, L], and the
     flat index [N] of each packed token in the k * L grid (`out.flatten(0, 1)[index]` is [N]).
@@ -238,6 +211,25 @@ def unit_tokens(samples: Sequence[Sample], unit: Sequence[int]) -> int:
     """Tokens a unit costs when its shared prefix is computed once."""
     prefix = shared_prefix_len(samples[unit[0]].loss_mask) if len(unit) > 1 else 0
     return prefix + sum(len(samples[i].input_ids) - prefix for i in unit)
+
+
+def plan_micro_batches(samples: Sequence[Sample], indices: Sequence[int], max_tokens: int,
+                       share_prefixes: bool = False,
+                       agree: Callable[[int], int] = lambda n: n) -> list[list[int]]:
+    """`samples[i] for i in indices` as groups of indices, one per micro-batch: as few as the
+    budget allows, balanced by tokens. With `share_prefixes`, samples with the same shared
+    prefix (a GRPO group) stay together, so their prompt is computed once. `agree(count)` turns
+    this rank's count into the one every rank runs (the max over data-parallel ranks, for
+    lock-step collectives); a rank may then have empty groups."""
+    units = prefix_units(samples, indices) if share_prefixes else [[i] for i in indices]
+    costs = [unit_tokens(samples, u) for u in units]
+    ffd = first_fit_decreasing(costs, max_tokens) if units else []
+    count = max(1, agree(len(ffd)))
+    parts = balanced_partition(costs, count)
+    if count == len(ffd) and any(len(p) > 1 and sum(costs[u] for u in p) > max_tokens
+                                 for p in parts):
+        parts = [sorted(b) for b in ffd]  # least-loaded placement overflowed; FFD's bins fit
+    return [[i for u in part for i in units[u]] for part in parts]
 
 
 @dataclass
