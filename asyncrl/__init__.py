@@ -27,7 +27,7 @@ _LAZY = {
     "AgentWorkflow": "asyncrl.proxy.workflow",
     "run_eval_job": "asyncrl.launch.evaluate",
     "run_sft_job": "asyncrl.launch.sft",
-    "SFTRunConfig": "asyncrl.launch.sft",
+    "SFTRunConfig": "asyncrl.launch.sft_config",
     "open_reward": "asyncrl.reward.registry",
     "RewardPool": "asyncrl.reward.pool",
     "load_dataset_from_config": "asyncrl.data.dataset",
@@ -40,6 +40,11 @@ _API = ("EpisodeRejected", "EvalReport", "Evaluator", "GenerationConfig", "Infer
 _LAZY.update({name: "asyncrl.api" for name in _API})
 
 __all__ = ["__version__", *sorted(_LAZY)]
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, so tab completion offers `Trainer` before it is loaded."""
+    return sorted({*globals(), *_LAZY})
 
 
 def __getattr__(name: str) -> Any:

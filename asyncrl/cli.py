@@ -7,6 +7,7 @@ without a traceback and exit with status 2; anything else is a bug and keeps its
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
 
 
 def cmd_sft(ns: argparse.Namespace) -> int:
-    from asyncrl.launch.sft import SFTRunConfig, run_sft_job
+    from asyncrl.launch.sft_config import SFTRunConfig
 
     path, overrides = _split_config_and_overrides(ns.args)
     bad = [a for a in overrides if "=" not in a]
@@ -31,15 +32,18 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     cfg = SFTRunConfig.load(path, overrides)
     if ns.print_config:
         return _print_config(cfg)
+    from asyncrl.launch.sft import run_sft_job
+
     result = run_sft_job(cfg, force=ns.force)
-    print(f"model_dir={result.model_dir} eval_accuracy={result.eval_accuracy:.4f} "
-          f"train_seconds={result.train_seconds:.1f} cached={result.cached}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"model_dir={result.model_dir} eval_accuracy={result.eval_accuracy:.4f} "
+              f"train_seconds={result.train_seconds:.1f} cached={result.cached}")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        _exit_torchrun_worker(0)
     return 0
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    import os
-
     from asyncrl.launch.serve import serve, server_config_from_args
 
     bad = [a for a in ns.overrides if "=" not in a]
@@ -92,9 +96,7 @@ def _eval_inference(ns: argparse.Namespace):
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    import os
-
-    from asyncrl.launch.train import Trainer, TrainRunConfig, load_run_config
+    from asyncrl.launch.train_config import TrainRunConfig, load_run_config
 
     path, overrides = _split_config_and_overrides(ns.args)
     bad = [a for a in overrides if "=" not in a]
@@ -112,10 +114,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg = TrainRunConfig.load(path, overrides)
     if ns.print_config:
         return _print_config(cfg)
+    from asyncrl.launch.train import Trainer
+
     result = Trainer(cfg, run_dir=ns.resume).train(resume=bool(ns.resume))
+    code = _report(result) if os.environ.get("RANK", "0") == "0" else 0
     if os.environ.get("WORLD_SIZE", "1") != "1":
-        _report_and_exit(result)  # torchrun workers skip interpreter teardown
-    return _report(result)
+        _exit_torchrun_worker(code)  # torchrun workers skip interpreter teardown
+    return code
 
 
 def _print_config(cfg) -> int:
@@ -134,13 +139,10 @@ def _report(result) -> int:
     return 130 if result.stopped_by == "interrupted" else 0
 
 
-def _report_and_exit(result) -> None:
-    """Under torchrun: rank 0 reports, then every rank leaves with os._exit, because C++ threads
-    of the torch.distributed stack torn down at interpreter exit can abort a finished worker
+def _exit_torchrun_worker(code: int) -> None:
+    """Under torchrun every rank leaves with os._exit, because C++ threads of the
+    torch.distributed stack torn down at interpreter exit can abort a finished worker
     ("terminate called without an active exception")."""
-    import os
-
-    code = _report(result) if os.environ.get("RANK", "0") == "0" else 0
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -35,7 +35,7 @@ import torch
 import transformers
 
 from asyncrl.api import GenerationConfig, ModelRequest
-from asyncrl.inference import EngineConfig, LLMEngine
+from asyncrl.inference.engine import EngineConfig, LLMEngine
 
 
 def build_model(path: str) -> transformers.PreTrainedModel:

@@ -30,7 +30,7 @@ from gpu_common import (
 )
 
 from asyncrl.api import GenerationConfig, ModelRequest
-from asyncrl.inference import EngineConfig, LLMEngine
+from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import count_parameters
 

@@ -39,8 +39,9 @@ from gpu_common import (
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import count_parameters
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
-from asyncrl.train.optim import OptimizerConfig
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.config import OptimizerConfig
 
 # Throughput does not depend on the lr; a small one keeps many steps of random data finite.
 OPTIM = OptimizerConfig(lr=1e-5, grad_clip=None, weight_decay=0.0)

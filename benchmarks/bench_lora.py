@@ -36,10 +36,12 @@ import torch
 from bench_engine import matmul_gflops  # the one shared roofline probe (same dir)
 from bench_train import make_samples
 
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
-from asyncrl.train.lora import LoraConfig
-from asyncrl.train.optim import OptimizerConfig
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.config import LoraConfig
+from asyncrl.train.config import OptimizerConfig
 
 MB = 1 << 20
 

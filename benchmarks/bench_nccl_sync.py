@@ -43,7 +43,8 @@ def preset_shapes(preset: str) -> dict[str, tuple[int, ...]]:
     from asyncrl.models.presets import TINY, preset_hf_config
 
     if preset == TINY:
-        from asyncrl.models.tiny import TinyModelConfig, tiny_hf_config
+        from asyncrl.models.tiny import tiny_hf_config
+        from asyncrl.models.config import TinyModelConfig
         from asyncrl.models.tokenizer import build_char_tokenizer
 
         hf_config = tiny_hf_config(TinyModelConfig(), len(build_char_tokenizer()))

@@ -23,7 +23,8 @@ from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.models.chat import encode_chat_prompt, render_chat
 from asyncrl.models.loading import load_tokenizer
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
 from asyncrl.proxy.config import AgentConfig, ProxyConfig
 from asyncrl.proxy.server import ProxyServer
 from asyncrl.proxy.workflow import AgentWorkflow

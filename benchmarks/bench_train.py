@@ -42,9 +42,12 @@ from bench_engine import (
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model, count_parameters
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
-from asyncrl.train.optim import OptimizerConfig, build_optimizer
+from asyncrl.models.tiny import build_tiny_model, count_parameters
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.optim import build_optimizer
+from asyncrl.train.config import OptimizerConfig
 
 # Tiny lr: both models take many steps over the run and must stay finite; throughput does not
 # depend on the value. No grad clip on either side, so the two do identical optimizer work.

@@ -12,7 +12,8 @@ import torch
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.launch.serve import READY_PREFIX
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
 
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests run only where CUDA is; elsewhere each is skipped saying so."""

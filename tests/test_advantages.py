@@ -7,19 +7,8 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError
-from asyncrl.train.advantages import (
-    ESTIMATORS,
-    AdvantageConfig,
-    AdvantageInputs,
-    Estimator,
-    batch_normalized_advantages,
-    compute_advantages,
-    drgrpo_advantages,
-    expand_to_tokens,
-    gae_advantages,
-    grpo_advantages,
-    rloo_advantages,
-)
+from asyncrl.train.advantages import ESTIMATORS, AdvantageInputs, batch_normalized_advantages, compute_advantages, drgrpo_advantages, expand_to_tokens, gae_advantages, grpo_advantages, rloo_advantages
+from asyncrl.train.config import AdvantageConfig, Estimator
 from asyncrl.train.reward_shaping import (
     handle_truncated,
     outcome_token_rewards,

@@ -1,4 +1,5 @@
-"""`import asyncrl.api` must stay cheap: no torch, fastapi, transformers (ARCHITECTURE.md, "Layers")."""
+"""`import asyncrl.api` must stay cheap: no torch, fastapi, transformers (ARCHITECTURE.md, "Layers");
+and the run configs load without the code they configure, so `--print-config` answers at once."""
 
 import subprocess
 import sys
@@ -14,3 +15,16 @@ def test_import_api_pulls_in_no_heavy_modules():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"asyncrl.api imported {out.stdout.strip()}"
+
+
+def test_run_configs_load_without_torch_or_the_engines():
+    code = (
+        "import sys\n"
+        "from asyncrl.launch.train_config import TrainRunConfig\n"
+        "from asyncrl.launch.sft_config import SFTRunConfig\n"
+        "TrainRunConfig.load(None, ['inference.mode=local']), SFTRunConfig()\n"
+        "print(','.join(m for m in ('torch', 'transformers', 'httpx', 'datasets', 'fastapi')\n"
+        "               if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"loading the run configs imported {out.stdout.strip()}"

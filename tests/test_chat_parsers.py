@@ -258,8 +258,8 @@ async def _workflows_render_prompts(tok):
 
 def test_sft_prompts_use_the_template_variables(tok):
     (plain,), (off,) = build_examples(tok, [ROW]), build_examples(tok, [ROW], OFF)
-    assert not thinking_off(tok, [t for t, m in zip(plain.input_ids, plain.target_mask) if not m])
-    assert thinking_off(tok, [t for t, m in zip(off.input_ids, off.target_mask) if not m])
+    assert not thinking_off(tok, [t for t, m in zip(plain.input_ids, plain.loss_mask) if not m])
+    assert thinking_off(tok, [t for t, m in zip(off.input_ids, off.loss_mask) if not m])
 
 
 def test_rlvr_reward_reads_the_answer_but_trains_on_every_token(tok):

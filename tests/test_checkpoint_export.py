@@ -23,11 +23,12 @@ from asyncrl import Trainer
 from asyncrl.config import ConfigError
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.launch.train_config import TrainRunConfig
-from asyncrl.models.export import (INDEX_FILE, parse_shard_size, save_weights_dir, untied_copy,
-                                   weight_files)
+from asyncrl.models.export import INDEX_FILE, save_weights_dir, untied_copy, weight_files
+from asyncrl.models.config import parse_shard_size
 from asyncrl.models.tiny import build_tiny_model_in_memory
 from asyncrl.models.tokenizer import IM_END_ID
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.checkpoint import load_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHARD = "100KB"  # the tiny test model (~300 KB of fp32 weights) is written in several shards
@@ -57,8 +58,8 @@ def policy(run):
 def trainer_weights(run, model_dir):
     """The trainer's weights at step 2, from its own sharded state (DCP `trainer/`), loaded into
     the base model: independent of the exported policy/."""
-    engine = HFTrainEngine.from_pretrained(model_dir, TrainEngineConfig(trainable=False))
-    engine.load(run / "checkpoints/step_000002/trainer")
+    engine = HFTrainEngine.from_pretrained(model_dir, trainable=False)
+    load_state(run / "checkpoints/step_000002/trainer", engine.parallel, {"engine": engine})
     return engine.model
 
 

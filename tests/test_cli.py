@@ -44,6 +44,25 @@ def test_sft_runs_end_to_end_and_caches(tmp_path):
     assert "cached=True" in second.stdout
 
 
+def test_sft_under_torchrun_trains_sharded_and_matches_one_process(tmp_path):
+    """`asyncrl sft` on 2 gloo ranks (FSDP2 through the train engine): rank 0 writes the model
+    and reports; the training loss equals the one-process run's up to float summation order."""
+    cfg = [*TINY, "sft.steps=4", "train.optimizer.warmup_steps=0"]
+    single = run_cli(["sft", *cfg, f"output_dir={tmp_path / 'one'}"], tmp_path, check_rc=0)
+    env = dict(os.environ, ASYNCRL_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "asyncrl.cli", "sft", *cfg, f"output_dir={tmp_path / 'two'}"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("model_dir=") == 1 and "cached=False" in single.stdout  # rank 0
+    assert "2 rank(s)" in proc.stderr
+    one, two = (json.loads((tmp_path / d / "sft_result.json").read_text())
+                for d in ("one", "two"))
+    assert abs(one["final_loss"] - two["final_loss"]) < 1e-4 * max(1.0, one["final_loss"])
+    assert (tmp_path / "two" / "config.json").is_file()
+
+
 def test_missing_model_dir(tmp_path):
     proc = run_cli(["sft", f"model.path={tmp_path}/no_such_model"], tmp_path)
     assert_one_clean_error(proc, "no_such_model")

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.config import Config
 from asyncrl.config_docs import describe_field, format_config, walk_fields
-from asyncrl.launch.sft import SFTRunConfig
+from asyncrl.launch.sft_config import SFTRunConfig
 from asyncrl.launch.train_config import TrainRunConfig
 
 

@@ -9,10 +9,13 @@ import torch
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.critic import CriticEngine, ValueModel, critic_token_loss
-from asyncrl.train.engine import TrainEngineConfig
-from asyncrl.train.optim import OptimizerConfig
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.critic import ValueModel, critic_token_loss
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.heads import ValueHead
+from asyncrl.train.config import CriticConfig
+from asyncrl.train.config import OptimizerConfig
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                        intermediate_size=128)
@@ -27,9 +30,10 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(TINY, tmp_path_factory.mktemp("tiny"))
 
 
-def critic(model_dir, **cfg) -> CriticEngine:
+def critic(model_dir, trainable=True, **cfg) -> HFTrainEngine:
     torch.manual_seed(0)  # the value head's init
-    return CriticEngine(load_causal_lm(model_dir), TrainEngineConfig(device="cpu", **cfg))
+    return HFTrainEngine(ValueModel(load_causal_lm(model_dir)), CriticConfig(device="cpu", **cfg),
+                         head=ValueHead(), trainable=trainable)
 
 
 def test_values_have_one_entry_per_token_and_zero_at_start(model_dir):

@@ -17,7 +17,9 @@ from asyncrl.api import (
     StopReason,
     WeightUpdateMeta,
 )
-from asyncrl.inference import AsyncLLMEngine, EngineConfig, LLMEngine, kernels
+from asyncrl.inference import kernels
+from asyncrl.inference.async_engine import AsyncLLMEngine
+from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.inference.linear import KernelMatmuls, OneDNNMatmuls
 from asyncrl.inference.model_runner import iter_safetensors
 

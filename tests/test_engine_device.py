@@ -15,8 +15,9 @@ import torch
 import transformers
 
 from asyncrl.api import GenerationConfig, ModelRequest
-from asyncrl.inference import EngineConfig, LLMEngine
-from asyncrl.inference.engine import EngineSettings, resolve_device, resolve_dtype
+from asyncrl.inference.engine import EngineConfig, LLMEngine
+from asyncrl.inference.engine import resolve_device, resolve_dtype
+from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.llama import LlamaArgs
 from asyncrl.inference.model_runner import iter_safetensors
 from asyncrl.launch.devices import check_engine_placement, engine_dtype_name, resolve

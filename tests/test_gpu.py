@@ -42,7 +42,7 @@ def test_main_loop_five_steps_on_cuda(model_dir, tmp_path):
 def test_nccl_push_of_the_05b_model_to_a_server(tmp_path):
     """Trainer (GPU 0) -> `asyncrl serve` (GPU 1) over NCCL: the served logprobs equal the
     trainer's after the push (bf16 tolerance 0.05, as in test_engine_device.py)."""
-    from asyncrl.inference.remote import RemoteEngineConfig
+    from asyncrl.inference.config import RemoteEngineConfig
     from asyncrl.launch.rollout_engines import open_rollout_engines
     from asyncrl.launch.train_config import InferenceLaunchConfig
     from asyncrl.models.loading import load_causal_lm

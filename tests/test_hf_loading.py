@@ -19,12 +19,14 @@ from test_train_loop import small_config
 from asyncrl import Trainer
 from asyncrl.cli import main
 from asyncrl.config import ConfigError
-from asyncrl.inference.engine import EngineConfig, EngineSettings, LLMEngine
+from asyncrl.inference.engine import EngineConfig, LLMEngine
+from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.server_commands import server_command
 from asyncrl.models.hub import looks_local
-from asyncrl.models.loading import (ModelConfig, ModelLoadError, load_causal_lm, load_tokenizer,
-                                    resolve_model_dir)
-from asyncrl.train.critic import CriticEngine
+from asyncrl.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_dir
+from asyncrl.models.config import ModelConfig
+from asyncrl.launch.trainer_group import load_critic
+from asyncrl.train.config import CriticConfig
 from asyncrl.train.engine import HFTrainEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,7 +135,7 @@ def test_every_loader_honours_trust_remote_code(custom_dir, tmp_path):
     for load in (lambda trust: load_causal_lm(custom_dir, trust_remote_code=trust),
                  lambda trust: load_tokenizer(custom_dir, trust),
                  lambda trust: HFTrainEngine.from_pretrained(custom_dir, trust_remote_code=trust),
-                 lambda trust: CriticEngine.from_pretrained(custom_dir, trust_remote_code=trust),
+                 lambda trust: load_critic(custom_dir, CriticConfig(), "float32", 10, trust),
                  lambda trust: LLMEngine(EngineConfig(model_path=str(custom_dir),
                                                       max_num_seqs=2, trust_remote_code=trust))):
         with pytest.raises(ModelLoadError, match=NEEDS_TRUST):
@@ -193,7 +195,8 @@ def test_trainer_runs_a_hub_id_custom_code_model_on_a_hub_dataset(hub, tmp_path)
 
 def test_sft_and_eval_take_hub_ids_with_trust_remote_code(hub, tmp_path):
     from asyncrl.launch.evaluate import run_eval_job
-    from asyncrl.launch.sft import SFTRunConfig, run_sft_job
+    from asyncrl.launch.sft import run_sft_job
+    from asyncrl.launch.sft_config import SFTRunConfig
     from asyncrl.rollout.answer_eval import EvalConfig
 
     cfg = SFTRunConfig.from_dict({

@@ -37,8 +37,9 @@ from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.weight_check import WeightCheckError
 from asyncrl.models.lora import (adapted_weights, merge_adapter, read_adapter_dir,
                                  read_safetensors)
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
-from asyncrl.train.lora import LoraConfig, adapter_state_dict, apply_lora
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+from asyncrl.train.lora import adapter_state_dict, apply_lora
+from asyncrl.train.config import LoraConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOLERANCE = 1e-4  # mean |engine - trainer| logprob; fp32 merge vs PEFT's unmerged path: ~1e-7
@@ -109,7 +110,7 @@ def test_merge_equals_peft_merge_and_refuses_other_adapter_parts(model_dir):
 def test_train_engine_trains_the_adapter_only(model_dir):
     from conftest import make_samples
 
-    engine = HFTrainEngine.from_pretrained(model_dir, TrainEngineConfig(lora=LoraConfig(r=8)))
+    engine = HFTrainEngine.from_pretrained(model_dir, lora=LoraConfig(r=8))
     trained = [p for g in engine.optimizer.param_groups for p in g["params"]]
     lora = [p for n, p in engine.model.named_parameters() if ".lora_" in n]
     assert {id(p) for p in trained} == {id(p) for p in lora}
@@ -163,8 +164,8 @@ def test_lora_main_job_in_process_then_resume(model_dir, tmp_path):
     assert Trainer(cfg).train(workflow=digit_reward).steps == 2
     ckpt = check_lora_run(model_dir, run, 2)
     # the trainer's sharded state holds Adam moments for the adapter's matrices only
-    keys = dcp.FileSystemReader(ckpt / "trainer/state").read_metadata().state_dict_metadata
-    moments = {k for k in keys if k.startswith("optim.state.") and k.endswith("exp_avg")}
+    keys = dcp.FileSystemReader(ckpt / "trainer").read_metadata().state_dict_metadata
+    moments = {k for k in keys if k.startswith("engine.optim.state.") and k.endswith("exp_avg")}
     assert len(moments) == 28 and all(".lora_" in k for k in moments)
     # resume: the engine starts from the base and is given the checkpoint's adapter first (the
     # canary at start-up would fail otherwise), then training continues the curve
@@ -223,7 +224,7 @@ def test_lora_under_fsdp_two_gloo_ranks_with_the_critic(model_dir, tmp_path):
      "weight_sync='gloo' with train.lora"),
     (["train.lora.r=8", "inference.mode=local", "inference.backend=sglang"],
      "backend 'sglang' is not supported"),
-    (["critic.lora.r=4"], "critic.lora is not supported"),
+    (["critic.lora.r=4"], "unknown key 'critic.lora'"),
     (["train.lora.target_modules=[q_proj,lm_head]"], "target_modules"),
     (["train.lora.r=0"], "train.lora.r"),
 ])

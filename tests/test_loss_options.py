@@ -18,10 +18,17 @@ from asyncrl.models.tiny import build_tiny_model
 from asyncrl.train.aggregation import aggregate, per_sequence_mean, sequence_count
 from asyncrl.train.corrections import (bound_weights, cispo_token_loss, icepop, log_weights,
                                        mask_above, truncate)
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
-from asyncrl.train.losses import PPOLossConfig, ppo_actor_loss, ppo_policy_loss
-from asyncrl.train.optim import OptimizerConfig
-from asyncrl.train.ppo_actor import PPOActor, PPOActorConfig
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.losses import ppo_actor_loss, ppo_policy_loss
+from asyncrl.train.config import PPOLossConfig
+from asyncrl.train.config import OptimizerConfig
+from asyncrl.launch.trainer_group import load_critic
+from asyncrl.train.checkpoint import load_state
+from asyncrl.train.config import CriticConfig
+from asyncrl.train.critic import ValueModel
+from asyncrl.train.ppo_actor import PPOActor
+from asyncrl.train.config import PPOActorConfig
 from asyncrl.train.regularizers import entropy_from_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -237,29 +244,35 @@ def test_option_trains_through_the_trainer(model_dir, tmp_path, name):
         assert "actor/kl_reward_mean" in steps[-1] and "actor/kl_ref" not in steps[-1]
 
 
-def test_critic_is_checkpointed_and_resumed(model_dir, tmp_path):
-    from safetensors.torch import load_file
-
+def test_critic_is_checkpointed_and_resumed(model_dir, tmp_path, monkeypatch):
     run = tmp_path / "run"
     over = {"actor.advantage.estimator": "gae", "eval.every": 0, "checkpoint_every": 1}
     Trainer(small_config(model_dir, run, total_steps=2, **over)).train(workflow=digit_reward)
-    saved = load_file(str(run / "checkpoints/step_000002/critic/model.safetensors"))
+    saved = critic_weights(model_dir, run / "checkpoints/step_000002")
     assert "value_head.weight" in saved
+    restored = {}
+    load = HFTrainEngine.load_state_dict
+
+    def recording_load(engine, state):  # what each engine holds right after its restore
+        load(engine, state)
+        if isinstance(engine.model, ValueModel):
+            restored.update({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
+
+    monkeypatch.setattr(HFTrainEngine, "load_state_dict", recording_load)
     resumed = Trainer(small_config(model_dir, run, total_steps=3, **over), run_dir=run)
-    seen = {}
-    original = resumed._build_trainer
-
-    def spy(policy_dir, tokenizer):
-        group = original(policy_dir, tokenizer)
-        seen.update({k: v.detach().clone() for k, v in group.critic.model.state_dict().items()})
-        return group
-
-    resumed._build_trainer = spy
     assert resumed.train(workflow=digit_reward, resume=True).steps == 3
+    assert set(restored) == set(saved)
     for name, tensor in saved.items():  # the resumed critic started from the saved one
-        torch.testing.assert_close(seen[name], tensor)
-    after = load_file(str(run / "checkpoints/step_000003/critic/model.safetensors"))
+        torch.testing.assert_close(restored[name], tensor)
+    after = critic_weights(model_dir, run / "checkpoints/step_000003")
     assert float((after["value_head.weight"] - saved["value_head.weight"]).abs().max()) > 0
+
+
+def critic_weights(model_dir, ckpt) -> dict[str, torch.Tensor]:
+    """The critic's weights in a run checkpoint, read into a fresh critic engine."""
+    critic = load_critic(model_dir, CriticConfig(), "float32", 10)
+    load_state(ckpt / "critic", critic.parallel, {"engine": critic})
+    return {k: v.detach().clone() for k, v in critic.model.state_dict().items()}
 
 
 # ---- the mismatch monitor ----------------------------------------------------------------

@@ -11,18 +11,10 @@ import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.train.aggregation import aggregate, normalizer_count, normalizer_unit
-from asyncrl.train.losses import (
-    PPOLossConfig,
-    critic_value_loss,
-    ppo_actor_loss,
-    ppo_policy_loss,
-    sft_loss,
-)
-from asyncrl.train.proximal import (
-    ProximalConfig,
-    approx_proximal_logprobs,
-    proximal_logprobs,
-)
+from asyncrl.train.losses import critic_value_loss, ppo_actor_loss, ppo_policy_loss, sft_loss
+from asyncrl.train.config import PPOLossConfig
+from asyncrl.train.proximal import approx_proximal_logprobs, proximal_logprobs
+from asyncrl.train.config import ProximalConfig
 from asyncrl.train.regularizers import entropy_from_logits, kl_penalty, kl_reward
 
 F64 = torch.float64

@@ -174,7 +174,7 @@ def test_qwen05b_is_cached(qwen05b_dir):
 def test_builtin_engine_generates_on_qwen05b(qwen05b_dir):
     """fp32: the engine's logprobs of its greedy tokens equal HF's on the same sequence."""
     from asyncrl.api import GenerationConfig, ModelRequest
-    from asyncrl.inference import EngineConfig, LLMEngine
+    from asyncrl.inference.engine import EngineConfig, LLMEngine
     from asyncrl.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(qwen05b_dir)

@@ -14,22 +14,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.api import GenerationConfig
 from asyncrl.config import ConfigError
-from asyncrl.models import (
-    ModelConfig,
-    ModelLoadError,
-    TinyModelConfig,
-    build_char_tokenizer,
-    build_tiny_model,
-    build_tiny_model_in_memory,
-    count_parameters,
-    default_model_dir,
-    ensure_tiny_model,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_model_dir,
-    save_tokenizer,
-)
 from asyncrl.models import loading
+from asyncrl.models.loading import ModelLoadError, default_model_dir, ensure_tiny_model, load_causal_lm, load_tokenizer, resolve_model_dir
+from asyncrl.models.config import ModelConfig
+from asyncrl.models.tiny import build_tiny_model, build_tiny_model_in_memory, count_parameters
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.models.tokenizer import build_char_tokenizer, save_tokenizer
 from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
 

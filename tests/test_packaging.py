@@ -35,6 +35,7 @@ def test_top_level_names_resolve_and_import_asyncrl_stays_light():
     neither torch nor transformers (the names load on first use)."""
     code = ("import sys, asyncrl\n"
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+            "assert set(asyncrl.__all__) <= set(dir(asyncrl)), 'tab completion misses names'\n"
             "missing = [n for n in asyncrl.__all__ if getattr(asyncrl, n, None) is None]\n"
             "assert missing == [], missing\n"
             "from asyncrl import Trainer, run_eval_job, open_reward, AgentWorkflow\n"

@@ -13,9 +13,11 @@ from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.api import EpisodeRejected
 from asyncrl.rollout.group import GroupedWorkflow
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
-from asyncrl.train.optim import OptimizerConfig
-from asyncrl.train.ppo_actor import PPOActor, PPOActorConfig, flatten
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.config import OptimizerConfig
+from asyncrl.train.ppo_actor import PPOActor, flatten
+from asyncrl.train.config import PPOActorConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

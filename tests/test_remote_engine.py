@@ -28,15 +28,11 @@ from asyncrl.inference.backends import (
     VLLMBackend,
     make_backend,
 )
-from asyncrl.inference.engine import EngineSettings
+from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
-from asyncrl.inference.remote import (
-    RemoteEngineConfig,
-    RemoteEngineError,
-    RemoteInferenceEngine,
-    RemoteRequestError,
-)
+from asyncrl.inference.remote import RemoteEngineError, RemoteInferenceEngine, RemoteRequestError
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_errors import ServerCheckError
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool
 from asyncrl.models.loading import load_causal_lm

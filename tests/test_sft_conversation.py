@@ -13,8 +13,10 @@ from asyncrl.errors import UserError
 from asyncrl.launch import sft as sft_launch
 from asyncrl.models.tiny import build_tiny_model_in_memory
 from asyncrl.models.tokenizer import CHAT_TEMPLATE, IM_END_ID, IM_START_ID, build_char_tokenizer
-from asyncrl.train.optim import OptimizerConfig
-from asyncrl.train.sft import SFTConfig, build_examples, train_sft, with_label_noise
+from asyncrl.launch.sft_config import SFTRunConfig
+from asyncrl.train.config import OptimizerConfig, SFTConfig, TrainEngineConfig
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.sft import build_examples, train_sft, with_label_noise
 from asyncrl.train.sft_conversation import assistant_spans, conversation_ids, first_turn
 
 from conftest import TINY
@@ -91,8 +93,8 @@ def test_build_examples_mixes_row_kinds_and_label_noise_skips_conversations(tok)
     ex_plain, ex_conv = build_examples(tok, [plain, TOOL_ROW])
     assert tok.decode(ex_plain.input_ids) == ("<|im_start|>user\n1+1<|im_end|>\n"
                                               "<|im_start|>assistant\n2<|im_end|>")
-    assert sum(ex_plain.target_mask) == 2
-    assert (ex_conv.input_ids, ex_conv.target_mask) == conversation_ids(tok, TOOL_ROW)
+    assert sum(ex_plain.loss_mask) == 2
+    assert (ex_conv.input_ids, ex_conv.loss_mask) == conversation_ids(tok, TOOL_ROW)
     noisy = with_label_noise([plain, TOOL_ROW], 1.0, 5)
     assert noisy[0]["answer"] == "7" and noisy[1] is TOOL_ROW
 
@@ -153,17 +155,19 @@ def test_sft_on_conversations_lowers_the_assistant_loss(tok, autocast_dtype):
     model, _ = build_tiny_model_in_memory(TINY)
     examples = build_examples(tok, [TOOL_ROW])
     torch.manual_seed(0)
-    cfg = SFTConfig(steps=40, batch_size=2, autocast_dtype=autocast_dtype)
-    history = train_sft(model, examples, cfg, OptimizerConfig(lr=3e-3, warmup_steps=0),
-                        tok.pad_token_id)
+    cfg = SFTConfig(steps=40, batch_size=2)
+    engine = HFTrainEngine(model, TrainEngineConfig(
+        autocast_dtype=autocast_dtype, optimizer=OptimizerConfig(lr=3e-3, warmup_steps=0)),
+        total_steps=cfg.steps)
+    history = train_sft(engine, examples, cfg)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
-    assert history[0]["sft/tokens"] == 2 * sum(examples[0].target_mask)
-    assert history[-1]["sft/loss"] < 0.5 * history[0]["sft/loss"]
+    assert history[0]["train/loss_tokens"] == 2 * sum(examples[0].loss_mask)
+    assert history[-1]["train/loss"] < 0.5 * history[0]["train/loss"]
 
 
 def test_sft_cache_key_follows_the_data_files_contents(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [TOOL_ROW])
-    cfg = sft_launch.SFTRunConfig.from_dict({"data": {"kind": "jsonl", "path": path}})
+    cfg = SFTRunConfig.from_dict({"data": {"kind": "jsonl", "path": path}})
     before = sft_launch.cache_key(cfg)
     assert sft_launch.cache_key(cfg) == before
     write_jsonl(tmp_path / "c.jsonl", [{**TOOL_ROW, "answer": "409"}])

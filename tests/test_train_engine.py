@@ -12,10 +12,13 @@ from asyncrl.api.protocols import TrainEngine
 from asyncrl.api.trajectory import Sample
 from asyncrl.config import ConfigError
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+from asyncrl.train.heads import LogprobHead
+from asyncrl.train.config import TrainEngineConfig
 from asyncrl.train.logprobs import gather_logprobs
-from asyncrl.train.optim import OptimizerConfig
+from asyncrl.train.config import OptimizerConfig
 from asyncrl.train.packing import (
     balanced_partition,
     first_fit_decreasing,
@@ -120,9 +123,10 @@ def pack_all(samples):
 
 # --- engine ------------------------------------------------------------------------------
 
-def engine(model_dir, **kw) -> HFTrainEngine:
+def engine(model_dir, temperature=1.0, trainable=True, **kw) -> HFTrainEngine:
     opt = kw.pop("optimizer", OptimizerConfig(lr=1e-2, grad_clip=1.0))
-    return HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(optimizer=opt, **kw))
+    return HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(optimizer=opt, **kw),
+                         head=LogprobHead(temperature), trainable=trainable)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
@@ -148,7 +152,7 @@ def test_packed_grads_equal_per_sequence_grads(model_dir, layout):
     mb = pack_all(samples)
     assert len(mb.sample_index) == 3
     mask = mb.tensors["loss_mask"]
-    eng.packed_logprobs(mb)[mask].sum().backward()
+    eng.per_token(mb)[mask].sum().backward()
     packed = {n: p.grad.clone() for n, p in eng.model.named_parameters()}
     eng.model.zero_grad()
     for s in samples:
@@ -265,7 +269,7 @@ def test_shared_prefix_grads_equal_per_sequence_grads(model_dir):
     eng = engine(model_dir, attention_layout="padded")
     samples = grouped_samples(seed=5)
     mb = pack_all(samples)
-    eng.packed_logprobs(mb)[mb.tensors["loss_mask"]].sum().backward()
+    eng.per_token(mb)[mb.tensors["loss_mask"]].sum().backward()
     shared = {n: p.grad.clone() for n, p in eng.model.named_parameters()}
     eng.model.zero_grad()
     for s in samples:

@@ -1,5 +1,8 @@
 """Checkpoint resume is exact on one process: 4 steps == 2 steps, save, fresh engine, load, 2 steps.
 
+The engine saves through its `state_dict` with `save_state` (train/checkpoint.py), beside a
+plain part (here the data position a run would keep).
+
 Resuming on another world size (sharded state saved on 2 ranks, loaded on 1 and 2, and back)
 is tested with FSDP in test_train_engine_fsdp.py.
 """
@@ -11,27 +14,39 @@ import random
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.checkpoint import (
-    MODEL_FILE,
-    STATE_DIR,
-    TRAINER_FILE,
-    load_checkpoint,
-    save_checkpoint,
-)
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.checkpoint import METADATA, PLAIN_FILE, load_state, save_state
+from asyncrl.train.config import OptimizerConfig, TrainEngineConfig
+from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.losses import sft_loss
-from asyncrl.train.optim import OptimizerConfig
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                        intermediate_size=128)
 # Warmup + cosine: a resume that lost the scheduler state would use the wrong learning rate.
-CFG = TrainEngineConfig(max_tokens_per_mb=16, total_steps=4, optimizer=OptimizerConfig(
+CFG = TrainEngineConfig(max_tokens_per_mb=16, optimizer=OptimizerConfig(
     lr=1e-2, warmup_steps=1, schedule="cosine", min_lr_ratio=0.1, grad_clip=1.0))
+STEPS = 4  # the LR schedule's horizon
+
+
+class Position:
+    """A plain stateful part, as a run's data stream."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"position": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["position"]
+
+
+def new_engine(model_dir, **kw) -> HFTrainEngine:
+    return HFTrainEngine(load_causal_lm(model_dir), CFG, total_steps=STEPS, **kw)
 
 
 @pytest.fixture(autouse=True)
@@ -77,21 +92,21 @@ def seed_all(seed: int) -> None:
 def test_resume_is_exact(tmp_path):
     model_dir = build_tiny_model(TINY, tmp_path / "tiny")
     seed_all(0)
-    straight = HFTrainEngine(load_causal_lm(model_dir), CFG)
+    straight = new_engine(model_dir)
     train(straight, range(4))
 
     seed_all(0)
-    first = HFTrainEngine(load_causal_lm(model_dir), CFG)
+    first = new_engine(model_dir)
     train(first, range(2))
     ckpt = tmp_path / "ckpt"
-    first.save(ckpt, extra_state={"data_position": 2, "executor": {"accepted": 6}})
-    save_checkpoint(first, ckpt, {"data_position": 2, "executor": {"accepted": 6}})  # overwrite ok
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "tiny"]  # no temp dirs left
+    save_state(ckpt, first.parallel, {"trainer": first}, {"data": Position(2)})
+    save_state(ckpt, first.parallel, {"trainer": first}, {"data": Position(2)})  # overwrite ok
 
     seed_all(123)  # the resumed run must not depend on the new process's seeds
-    resumed = HFTrainEngine(load_causal_lm(model_dir), CFG)
-    extra = resumed.load(ckpt)
-    assert extra == {"data_position": 2, "executor": {"accepted": 6}}
+    resumed = new_engine(model_dir)
+    data = Position()
+    load_state(ckpt, resumed.parallel, {"trainer": resumed}, {"data": data})
+    assert data.value == 2
     assert resumed.step == 2 and resumed.version.value == 2
     assert resumed.scheduler.get_last_lr() == first.scheduler.get_last_lr()
     train(resumed, range(2, 4))
@@ -99,19 +114,16 @@ def test_resume_is_exact(tmp_path):
     assert resumed.version.value == straight.version.value == 4
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
-    # The weights file is plain safetensors with every tensor of the model's state dict.
-    assert set(load_file(str(ckpt / MODEL_FILE))) == set(first.model.state_dict())
-    assert sorted(p.name for p in ckpt.iterdir()) == [MODEL_FILE, STATE_DIR, TRAINER_FILE]
+    assert {METADATA, PLAIN_FILE} <= {p.name for p in ckpt.iterdir()}
 
 
-def test_forward_only_engine_loads_the_weights_of_a_checkpoint_without_export(tmp_path):
+def test_forward_only_engine_loads_the_weights_of_a_trainer_checkpoint(tmp_path):
     model_dir = build_tiny_model(TINY, tmp_path / "tiny")
-    trained = HFTrainEngine(load_causal_lm(model_dir), CFG)
+    trained = new_engine(model_dir)
     train(trained, range(1))
-    trained.save(tmp_path / "ckpt", full_weights=False)
-    assert not (tmp_path / "ckpt" / MODEL_FILE).exists()
-    ref = HFTrainEngine(load_causal_lm(model_dir), CFG.model_copy(update={"trainable": False}))
-    ref.load(tmp_path / "ckpt")
+    save_state(tmp_path / "ckpt", trained.parallel, {"trainer": trained})
+    ref = new_engine(model_dir, trainable=False)
+    load_state(tmp_path / "ckpt", ref.parallel, {"trainer": ref})
     assert ref.optimizer is None and ref.step == 1
     for (name, a), b in zip(trained.model.named_parameters(), ref.model.parameters()):
         assert torch.equal(a, b), name
@@ -121,10 +133,10 @@ def test_resume_without_rng_restore_differs(tmp_path):
     """Guards the test above: the noisy loss really depends on the RNG states."""
     model_dir = build_tiny_model(TINY, tmp_path / "tiny")
     seed_all(0)
-    a = HFTrainEngine(load_causal_lm(model_dir), CFG)
+    a = new_engine(model_dir)
     train(a, range(1))
     seed_all(1)
-    b = HFTrainEngine(load_causal_lm(model_dir), CFG)
+    b = new_engine(model_dir)
     train(b, range(1))
     diffs = [float((x - y).detach().abs().max()) for x, y in zip(a.model.parameters(), b.model.parameters())]
     assert max(diffs) > 1e-4
@@ -132,6 +144,6 @@ def test_resume_without_rng_restore_differs(tmp_path):
 
 def test_load_missing_checkpoint_names_the_file(tmp_path):
     model_dir = build_tiny_model(TINY, tmp_path / "tiny")
-    engine = HFTrainEngine(load_causal_lm(model_dir), CFG)
-    with pytest.raises(FileNotFoundError, match="has no state; expected a directory written by"):
-        load_checkpoint(engine, tmp_path / "nope")
+    engine = new_engine(model_dir)
+    with pytest.raises(FileNotFoundError, match="has no .metadata; expected a directory written"):
+        load_state(tmp_path / "nope", engine.parallel, {"trainer": engine})

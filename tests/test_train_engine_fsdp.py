@@ -37,17 +37,20 @@ from torch.distributed.checkpoint.state_dict import (
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.checkpoint import TRAINER_FILE, derived_seed
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
-from asyncrl.train.optim import OptimizerConfig
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.checkpoint import load_state, save_state
+from asyncrl.train.config import OptimizerConfig, TrainEngineConfig
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+from asyncrl.train.rng import derived_seed, rng_state
 from asyncrl.train.packing import pack_samples, shared_prefix_layout
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                        intermediate_size=128)
 # Small Adam lr and a larger eps keep weight comparisons meaningful: see test_train_engine.py.
-CFG = TrainEngineConfig(max_tokens_per_mb=16, total_steps=10,
+CFG = TrainEngineConfig(max_tokens_per_mb=16,
                         optimizer=OptimizerConfig(lr=1e-3, eps=1e-6, grad_clip=1.0))
+TOTAL_STEPS = 10  # the LR schedule's horizon
 BF16 = CFG.model_copy(update={"autocast_dtype": "bfloat16"})
 CHECKPOINTING = CFG.model_copy(update={"gradient_checkpointing": True})
 # Uneven lengths: on their own the two ranks would pack 2 and 3 micro-batches; they must agree
@@ -74,6 +77,30 @@ def make_samples() -> list[Sample]:
         out.append(Sample.from_prompt_and_completion(ids[:p], ids[p:], [-1.0] * (n - p),
                                                      [0] * (n - p)))
     return out
+
+
+class Extra:
+    """A plain part saved beside the engine, as a run's data position."""
+
+    def __init__(self, state=None) -> None:
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state) -> None:
+        self.state = state
+
+
+def single_engine(model_dir, cfg=CFG) -> HFTrainEngine:
+    return HFTrainEngine(load_causal_lm(model_dir), cfg, total_steps=TOTAL_STEPS)
+
+
+def fsdp_engine(model_dir, cfg=CFG) -> HFTrainEngine:
+    from asyncrl.train.fsdp import FSDP2
+
+    return HFTrainEngine(load_causal_lm(model_dir), cfg, total_steps=TOTAL_STEPS,
+                         parallel=FSDP2())
 
 
 def step(engine: HFTrainEngine) -> dict[str, float]:
@@ -111,53 +138,50 @@ def _equal_to_one_process(engine) -> dict[str, Any]:
     first, grads, calls = _traced_step(engine)
     stats = [first, *(step(engine) for _ in range(STEPS - 1))]
     return {"stats": stats, "logprobs": engine.forward(make_samples()), "grads": grads,
-            "mlp_calls": calls, "state": engine.full_state_dict(), "step": engine.step}
+            "mlp_calls": calls, "state": engine.model_state_dict(), "step": engine.step}
 
 
 def _sharded_resume(engine, model_dir: str, work: Path) -> dict[str, Any]:
     """Save after STEPS steps, go on one step; a fresh 2-rank engine resumes and steps."""
-    from asyncrl.train.fsdp import FSDPTrainEngine
-
     ckpt = work / "ckpt_2ranks"
     torch.manual_seed(100 + engine.rank)  # distinct per-rank RNG states, each must come back
     rng_at_save = torch.get_rng_state()
-    at_save = {"optim": full_optimizer_state(engine), "weights": engine.full_state_dict()}
+    at_save = {"optim": full_optimizer_state(engine), "weights": engine.model_state_dict()}
     engine.version.set(5)
-    engine.save(ckpt, extra_state={"data_position": 7})
-    went_on = {"stats": step(engine), "weights": engine.full_state_dict()}
+    save_state(ckpt, engine.parallel, {"trainer": engine}, {"data": Extra({"data_position": 7})})
+    went_on = {"stats": step(engine), "weights": engine.model_state_dict()}
 
     torch.manual_seed(999)
-    resumed = FSDPTrainEngine(load_causal_lm(model_dir), CFG)
-    extra = resumed.load(ckpt)
+    resumed = fsdp_engine(model_dir)
+    extra = Extra()
+    load_state(ckpt, resumed.parallel, {"trainer": resumed},
+               {"data": extra} if resumed.rank == 0 else None)
     rng_back = torch.equal(torch.get_rng_state(), rng_at_save)
-    loaded = {"optim": full_optimizer_state(resumed), "weights": resumed.full_state_dict(),
-              "step": resumed.step, "version": resumed.version.value, "extra": extra}
-    after = {"stats": step(resumed), "weights": resumed.full_state_dict()}
+    loaded = {"optim": full_optimizer_state(resumed), "weights": resumed.model_state_dict(),
+              "step": resumed.step, "version": resumed.version.value, "extra": extra.state}
+    after = {"stats": step(resumed), "weights": resumed.model_state_dict()}
     return {"ckpt": ckpt, "rng_at_save": rng_at_save, "rng_back": _all_ranks(rng_back),
             "at_save": at_save, "went_on": went_on, "loaded": loaded, "resumed": after}
 
 
-def _resume_from_one_process(model_dir: str, ckpt: Path) -> dict[str, Any]:
-    from asyncrl.train.fsdp import FSDPTrainEngine
-
-    engine = FSDPTrainEngine(load_causal_lm(model_dir), CFG)
-    engine.load(ckpt)
+def _resume_from_one_process(model_dir: str, ckpt: Path, saved_rng: dict) -> dict[str, Any]:
+    engine = fsdp_engine(model_dir)
+    load_state(ckpt, engine.parallel, {"trainer": engine})
     got = torch.get_rng_state()
-    saved = torch.load(ckpt / TRAINER_FILE, weights_only=False)["rng"]
-    if engine.rank < len(saved):
-        expected = saved[engine.rank]["torch"]
+    if engine.rank == 0:
+        expected = saved_rng["torch"]
     else:
-        torch.manual_seed(derived_seed(saved[0], engine.rank))
+        torch.manual_seed(derived_seed(saved_rng, engine.rank))
         expected = torch.get_rng_state()
     rng_ok = _all_ranks(torch.equal(got, expected))
-    return {"weights": engine.full_state_dict(), "optim": full_optimizer_state(engine),
-            "rng_ok": rng_ok, "stats": step(engine), "after": engine.full_state_dict()}
+    return {"weights": engine.model_state_dict(), "optim": full_optimizer_state(engine),
+            "rng_ok": rng_ok, "stats": step(engine), "after": engine.model_state_dict()}
 
 
 def _bf16(model_dir: str) -> dict[str, Any]:
-    from asyncrl.train.fsdp import FSDPTrainEngine, decoder_layers
+    from asyncrl.train.fsdp import decoder_layers
 
-    engine = FSDPTrainEngine(load_causal_lm(model_dir), BF16)
+    engine = fsdp_engine(model_dir, BF16)
     compute = set()
     proj = decoder_layers(engine.model)[0].mlp.down_proj
     hook = proj.register_forward_pre_hook(lambda m, _: compute.add(m.weight.dtype))
@@ -172,9 +196,7 @@ def _bf16(model_dir: str) -> dict[str, Any]:
 
 
 def _activation_checkpointing(model_dir: str) -> dict[str, Any]:
-    from asyncrl.train.fsdp import FSDPTrainEngine
-
-    engine = FSDPTrainEngine(load_causal_lm(model_dir), CHECKPOINTING)
+    engine = fsdp_engine(model_dir, CHECKPOINTING)
     stats, grads, calls = _traced_step(engine)
     return {"stats": stats, "grads": grads, "mlp_calls": calls}
 
@@ -186,14 +208,13 @@ def _all_ranks(flag: bool) -> list[bool]:
 
 
 def _worker(model_dir: str, work: str) -> None:
-    from asyncrl.train.fsdp import FSDPTrainEngine
-
     torch.set_num_threads(1)
     work_dir = Path(work)
-    engine = FSDPTrainEngine(load_causal_lm(model_dir), CFG)
+    engine = fsdp_engine(model_dir)
+    saved_rng = torch.load(work_dir / "rng_1proc.pt", weights_only=False)
     out = {"equal": _equal_to_one_process(engine),
            "resume": _sharded_resume(engine, model_dir, work_dir),
-           "from_one": _resume_from_one_process(model_dir, work_dir / "ckpt_1proc"),
+           "from_one": _resume_from_one_process(model_dir, work_dir / "ckpt_1proc", saved_rng),
            "bf16": _bf16(model_dir),
            "checkpointing": _activation_checkpointing(model_dir)}
     if engine.rank == 0:
@@ -225,9 +246,10 @@ def worker(tmp_path_factory) -> dict[str, Any]:
     model_dir = build_tiny_model(TINY, work / "tiny")
     with OneThread():  # the 1-process checkpoint the ranks resume from, and its next step
         torch.manual_seed(5)
-        single = HFTrainEngine(load_causal_lm(model_dir), CFG)
+        single = single_engine(model_dir)
         step(single)
-        single.save(work / "ckpt_1proc")
+        torch.save(rng_state(), work / "rng_1proc.pt")
+        save_state(work / "ckpt_1proc", single.parallel, {"trainer": single})
         went_on = {"stats": step(single), "weights": single.model.state_dict()}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
@@ -256,7 +278,7 @@ def assert_states_equal(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0)
 def test_fsdp_two_ranks_equal_one_process(worker):
     dist_run = worker["equal"]
     with OneThread():
-        single = HFTrainEngine(load_causal_lm(worker["model_dir"]), CFG)
+        single = single_engine(worker["model_dir"])
         stats, logprobs = run_steps(single)
     assert dist_run["step"] == single.step == STEPS
     for d, s in zip(dist_run["stats"], stats):
@@ -284,11 +306,12 @@ def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one(worker, caplog):
     assert res["resumed"]["stats"]["train/loss"] == went_on["stats"]["train/loss"]
     assert_states_equal(res["resumed"]["weights"], went_on["weights"])
 
-    with OneThread(), caplog.at_level(logging.WARNING, logger="asyncrl.train.checkpoint"):
+    with OneThread(), caplog.at_level(logging.WARNING, logger="asyncrl.train.engine"):
         torch.manual_seed(999)
-        single = HFTrainEngine(load_causal_lm(worker["model_dir"]), CFG)
-        extra = single.load(res["ckpt"])
-        counters = (single.step, single.version.value, extra)
+        single = single_engine(worker["model_dir"])
+        extra = Extra()
+        load_state(res["ckpt"], single.parallel, {"trainer": single}, {"data": extra})
+        counters = (single.step, single.version.value, extra.state)
         rng = torch.get_rng_state()
         optim = full_optimizer_state(single)
         weights = {k: v.clone() for k, v in single.model.state_dict().items()}
@@ -307,8 +330,8 @@ def test_one_process_checkpoint_resumes_on_two_ranks(worker):
     res, went_on = worker["from_one"], worker["one_went_on"]
     assert res["rng_ok"] == [True, True]  # rank 0 restored, rank 1 derived from it
     assert "ranks 1..1 re-seeded deterministically" in worker["stderr"]
-    single = HFTrainEngine(load_causal_lm(worker["model_dir"]), CFG)
-    single.load(worker["work"] / "ckpt_1proc")
+    single = single_engine(worker["model_dir"])
+    load_state(worker["work"] / "ckpt_1proc", single.parallel, {"trainer": single})
     assert_states_equal(res["weights"], single.model.state_dict())
     assert_states_equal(res["optim"], full_optimizer_state(single))
     assert abs(res["stats"]["train/loss"] - went_on["stats"]["train/loss"]) < 1e-5
@@ -320,7 +343,7 @@ def test_bf16_mixed_precision_matches_one_process_autocast(worker):
     assert res["compute"] == {torch.bfloat16}  # gathered for compute in bf16
     assert res["shards"] == res["grads"] == res["adam"] == {torch.float32}  # fp32 master state
     with OneThread():
-        single = HFTrainEngine(load_causal_lm(worker["model_dir"]), BF16)
+        single = single_engine(worker["model_dir"], BF16)
         stats, logprobs = run_steps(single)
     for d, s in zip(res["stats"], stats):
         assert d["train/loss"] == pytest.approx(s["train/loss"], rel=BF16_LOSS_RTOL)

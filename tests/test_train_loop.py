@@ -19,7 +19,10 @@ from safetensors.torch import load_file
 from train_helpers import digit_reward, processes_mentioning
 
 from asyncrl import Trainer
-from asyncrl.launch.train import TrainRunConfig
+from asyncrl.config import ConfigError
+from asyncrl.train.checkpoint import load_state
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.launch.train_config import TrainRunConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TESTS = Path(__file__).parent
@@ -103,10 +106,9 @@ def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     assert state["step"] == 4 and state["data_position"] > 0
     # the staleness counters continued across the resume: 4 batches of 4 consumed in all
     assert state["rollout"]["consumed"] == 16
-    import torch
-    trainer_state = torch.load(run / "checkpoints/step_000004/trainer/trainer.pt",
-                               weights_only=False)
-    assert trainer_state["version"] == 4  # the trainer's engine owns the version
+    trainer = HFTrainEngine.from_pretrained(model_dir, trainable=False)
+    load_state(run / "checkpoints/step_000004/trainer", trainer.parallel, {"engine": trainer})
+    assert trainer.version.value == 4  # the trainer's engine owns the version
     elapsed = [m["time/elapsed_s"] for m in metrics(run) if "reward/mean" in m]
     assert elapsed == sorted(elapsed)  # the time axis continues across the resume
     # the resumed engine serves the checkpoint's version: its tokens are not tagged 0
@@ -194,9 +196,12 @@ def test_bad_train_config_is_one_line(tmp_path):
     assert out.returncode == 2 and "no config.yaml" in out.stderr
 
 
-def test_temperature_mismatch_is_rejected():
-    with pytest.raises(ValueError, match="train.temperature=1.0 must equal gconfig.temperature"):
-        TrainRunConfig.from_dict({"gconfig": {"temperature": 0.7}})
+def test_derived_settings_are_not_settable():
+    """The trainer's temperature is the sampler's, the LR horizon follows total_steps: neither
+    can be set apart from what it derives from."""
+    for key in ("train.temperature", "train.total_steps", "train.trainable", "critic.lora"):
+        with pytest.raises(ConfigError, match=f"unknown key '{key}'"):
+            TrainRunConfig.load(None, [f"{key}=1"])
 
 
 def test_example_configs_validate_and_multi_turn_runs(model_dir, tmp_path):

@@ -9,9 +9,11 @@ import torch
 from asyncrl.api import GenerationConfig, ModelRequest, Sample, WeightUpdateMeta
 from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig, sft_token_loss
-from asyncrl.train.optim import OptimizerConfig
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.config import OptimizerConfig
 
 
 def test_weight_push_makes_engine_logprobs_equal_trainer_logprobs(tmp_path):
@@ -20,7 +22,7 @@ def test_weight_push_makes_engine_logprobs_equal_trainer_logprobs(tmp_path):
                                                  num_kv_heads=1, intermediate_size=128, seed=5),
                                  tmp_path / "m")
     trainer = HFTrainEngine.from_pretrained(
-        model_dir, TrainEngineConfig(optimizer=OptimizerConfig(lr=5e-2), total_steps=10))
+        model_dir, TrainEngineConfig(optimizer=OptimizerConfig(lr=5e-2)), total_steps=10)
     engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=96))
     prompts = [[5 + i, 20 + i, 40, 41, 42][: 3 + i % 3] for i in range(6)]
     gconfig = GenerationConfig(max_new_tokens=12, min_new_tokens=12, temperature=1.0, seed=7)

@@ -21,12 +21,14 @@ from asyncrl.api import (
     WeightUpdateKind,
     WeightUpdateMeta,
 )
-from asyncrl.inference.engine import EngineSettings, LLMEngine
+from asyncrl.inference.engine import LLMEngine
+from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.serve import READY_PREFIX
 from asyncrl.models.loading import load_causal_lm, load_tokenizer
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
 from asyncrl.train.logprobs import gather_logprobs
-from asyncrl.inference.remote import RemoteEngineConfig
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.launch.rollout_engines import open_rollout_engines
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.models.export import save_weights_dir

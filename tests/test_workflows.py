@@ -8,7 +8,8 @@ from asyncrl.api import GenerationConfig, ModelRequest, ModelResponse, StopReaso
 from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.models.chat import render_chat
-from asyncrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from asyncrl.models.tiny import build_char_tokenizer, build_tiny_model
+from asyncrl.models.config import TinyModelConfig
 from asyncrl.reward.call import answer_reward
 from asyncrl.reward.exact import exact_answer_reward
 from asyncrl.rollout.agent_env import AgentEnvConfig, AgentEnvWorkflow

@@ -16,6 +16,7 @@ from asyncrl.api.protocols import (
     InferenceEngine,
     ReportsMetrics,
     RolloutWorkflow,
+    Stateful,
     TrainEngine,
 )
 from asyncrl.api.loss import LossInputs, PolicyLoss
@@ -45,6 +46,7 @@ __all__ = [
     "RolloutStatus",
     "RolloutWorkflow",
     "Sample",
+    "Stateful",
     "StopReason",
     "TrainEngine",
     "Trajectory",

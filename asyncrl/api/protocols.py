@@ -42,24 +42,37 @@ class InferenceEngine(Protocol):
 
 
 @runtime_checkable
-class TrainEngine(Protocol):
+class Stateful(Protocol):
+    """A part of a run a checkpoint saves and restores (an engine, the rollout executor, the data
+    stream, the loop's counters): torch.distributed.checkpoint's Stateful."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class TrainEngine(Stateful, Protocol):
     """Owns a trainable model (policy, reference or critic) and its optimizer."""
 
     version: PolicyVersion  # of the weights it trains; the policy update advances it
 
     def train_batch(self, samples: list[Sample], loss_fn: Callable[..., Any],
                     token_data: Mapping[str, list[torch.Tensor]] | None = None,
+                    normalize_by: str = "tokens", with_entropy: bool = False,
                     ) -> dict[str, float]:
         """One optimizer step over `samples`, packed into micro-batches with `token_data` (one
-        input-aligned tensor per sample and name). `loss_fn(logprobs, micro_batch, normalizer)`
-        runs per micro-batch; the PPO actor adapts a `PolicyLoss` to it (train/ppo_actor.py)."""
+        input-aligned tensor per sample and name). `loss_fn(outputs, micro_batch, normalizer)`
+        runs per micro-batch (the PPO actor adapts a `PolicyLoss` to it, train/ppo_actor.py);
+        the normaliser counts the step's trained "tokens" or "sequences" over every micro-batch
+        and rank; `with_entropy` adds each token's entropy to the micro-batch."""
 
     def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
-        """Per-token logprobs of each sample (proximal / reference policy), without gradients."""
+        """Per-token outputs of each sample (logprobs of a policy, values of a critic), without
+        gradients."""
 
-    def save(self, path: str) -> None: ...
-
-    def load(self, path: str) -> None: ...
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """What the inference engines are sent (full weights, or a LoRA adapter)."""
 
 
 @runtime_checkable

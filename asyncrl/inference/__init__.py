@@ -1,13 +1,7 @@
-"""The built-in inference engine: continuous batching over a slot KV cache on CPU (or GPU) torch.
+"""Inference: the built-in engine, its HTTP server, and the remote client.
 
-`LLMEngine` is the synchronous core (add_request / step / abort / weight updates);
-`AsyncLLMEngine` implements the api `InferenceEngine` protocol on top of it;
-`RemoteInferenceEngine` implements it over N HTTP servers (ours, vLLM, SGLang).
+`engine.LLMEngine` is the synchronous core (add_request / step / abort / weight updates),
+`async_engine.AsyncLLMEngine` implements the api `InferenceEngine` protocol on top of it,
+`remote.RemoteInferenceEngine` implements it over N HTTP servers (ours, vLLM, SGLang) through
+the backends of `backends.py`. Import from the modules: this package stays light to import.
 """
-
-from asyncrl.inference.async_engine import AsyncLLMEngine
-from asyncrl.inference.engine import EngineConfig, LLMEngine
-from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
-
-__all__ = ["AsyncLLMEngine", "EngineConfig", "LLMEngine", "RemoteEngineConfig",
-           "RemoteInferenceEngine"]

@@ -14,74 +14,25 @@ their logprobs. The C++ kernels and prepacked matmuls are CPU-only; on CUDA the 
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
-from typing import Literal
 
-import pydantic
 import torch
 
 from asyncrl.api import ModelRequest, ModelResponse, StopReason
-from asyncrl.config import Config
 from asyncrl.inference import kernels
+from asyncrl.inference.config import DEVICE_CHOICES, DEVICE_SPEC, EngineSettings
 from asyncrl.inference.llama import LlamaArgs, unsupported_reason
 from asyncrl.inference.model_runner import (
     DTYPES,
     ModelRunner,
-    iter_safetensors,
     load_runner,
     read_eos_ids,
     read_hf_config,
 )
 from asyncrl.inference.sampler import Sampler
 from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence
-
-
-class EngineSettings(Config):
-    """How the built-in engine runs, whatever model it serves: `asyncrl serve`'s `engine.*`,
-    a training job's `inference.engine` (in process, and for the servers it starts)."""
-
-    max_num_seqs: int = pydantic.Field(64, ge=1)  # KV cache slots = concurrently running sequences
-    max_seq_len: int | None = pydantic.Field(None, ge=2)  # context length; None: the model's
-    # Memory cap for the KV cache; the slot count is min(max_num_seqs, budget // bytes per slot).
-    kv_cache_bytes: int | None = pydantic.Field(None, ge=1)
-    max_prefill_tokens: int = pydantic.Field(8192, ge=1)  # padded tokens in one prefill step
-    # auto: cuda when torch sees a GPU, else cpu; "cuda" without one fails at engine construction
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bf16 on CUDA
-    # CUDA with kv_cache_bytes unset: the engine may take this fraction of the GPU memory free
-    # at its construction for its weights plus KV cache (slots = min(max_num_seqs, what fits)).
-    # Below vLLM's usual 0.9 because an in-process engine shares the GPU with the trainer, whose
-    # optimizer state and activations grow after the engine is built.
-    gpu_memory_fraction: float = pydantic.Field(0.4, gt=0, le=1)
-    backend: Literal["auto", "native", "hf"] = "auto"  # auto: native if the arch is supported
-    # the model's own code (HF auto_map) may run: the hf backend of a custom architecture,
-    # and vLLM/SGLang servers get --trust-remote-code (a job sets it from model.trust_remote_code)
-    trust_remote_code: bool = False
-    fast_matmuls: bool = True  # native on CPU: prepacked weights with fused epilogues
-    # native on CPU: C++ attention, RMSNorm and (fp32, with fast_matmuls) matmuls, compiled on
-    # first use; the torch / oneDNN path when they cannot be built
-    cpu_kernels: bool = True
-    seed: int = 0  # sampling noise of requests without their own seed
-    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
-    # Threads of the C++ kernels, set for the engine thread only (a trainer in the same process
-    # keeps its own count); torch ops use the process-wide count, which `asyncrl serve` sets to
-    # this. None: torch's count.
-    num_threads: int | None = pydantic.Field(None, ge=1)
-
-    @pydantic.field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        # Syntax only: a config written on a CPU head node may name the GPUs of its workers.
-        if not DEVICE_SPEC.fullmatch(value):
-            raise ValueError(f"device={value!r} is not allowed; allowed {DEVICE_CHOICES}")
-        return value
-
-
-DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
-DEVICE_CHOICES = "'auto', 'cpu', 'cuda', 'cuda:N'"
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -50,7 +50,7 @@ from asyncrl.inference.backends import (
 )
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
-from asyncrl.inference.remote_config import RemoteEngineConfig
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_control import ControlFanout
 from asyncrl.inference.remote_errors import (
     RemoteEngineError,

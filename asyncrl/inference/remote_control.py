@@ -16,7 +16,7 @@ from collections.abc import Callable
 import httpx
 
 from asyncrl.inference.backend_protocol import HttpCall
-from asyncrl.inference.remote_config import RemoteEngineConfig
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.routing import ServerPool, ServerState
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import httpx
 
 from asyncrl.api import WeightUpdateKind, WeightUpdateMeta
 from asyncrl.inference.backend_protocol import Backend, HttpCall
-from asyncrl.inference.remote_config import RemoteEngineConfig
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_errors import RemoteEngineError, ServerFailure
 from asyncrl.inference.remote_group import GroupSync
 from asyncrl.inference.routing import ServerPool, ServerState

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.inference.engine import EngineSettings, resolve_device, resolve_dtype
+from asyncrl.inference.engine import resolve_device, resolve_dtype
+from asyncrl.inference.config import EngineSettings
 
 __all__ = ["check_engine_placement", "engine_dtype_name", "resolve"]
 

@@ -39,7 +39,7 @@ from asyncrl.api import InferenceEngine, PolicyVersion, WeightUpdateKind, Weight
 from asyncrl.launch.ray_config import RayConfig
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck
-from asyncrl.models.export import DEFAULT_SHARD_SIZE
+from asyncrl.models.config import DEFAULT_SHARD_SIZE
 
 if TYPE_CHECKING:
     from asyncrl.inference.backend_protocol import LoraServing
@@ -198,7 +198,8 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
         return
 
     from asyncrl.inference.backends import make_backend
-    from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+    from asyncrl.inference.remote import RemoteInferenceEngine
+    from asyncrl.inference.config import RemoteEngineConfig
 
     untie = make_backend(cfg.server_backend).needs_untied_head
     servers = None

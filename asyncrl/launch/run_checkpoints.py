@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.errors import UserError
-from asyncrl.models.export import DEFAULT_SHARD_SIZE
+from asyncrl.models.config import DEFAULT_SHARD_SIZE
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # a file in CHECKPOINTS holding the newest step directory's name
@@ -80,6 +80,7 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
     rank 0's) as `rollouts.pkl`. `policy/` is written by save_pretrained (safetensors files of
     at most `shard_size`, the base model's generation config, the tokenizer)."""
     from asyncrl.models.export import save_weights_dir
+    from asyncrl.train.checkpoint import save_state
 
     final = step_dir(run_dir, state.step)
     tmp = final.parent / f".{final.name}.tmp"
@@ -97,9 +98,9 @@ def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer
         _save_adapter(trainer, tmp / ADAPTER)  # collective under FSDP (one gather per matrix)
     # policy/ holds the full weights already: the trainer state keeps only its shards (the
     # critic keeps its model.safetensors: the one unsharded copy of the value model)
-    trainer.save(tmp / TRAINER, extra_state={"loop": asdict(state)}, full_weights=False)
+    save_state(tmp / TRAINER, trainer.parallel, {"engine": trainer})
     if critic is not None:
-        critic.save(tmp / CRITIC)
+        save_state(tmp / CRITIC, critic.parallel, {"engine": critic})
     if not writer:
         return final
     if rollouts is not None:

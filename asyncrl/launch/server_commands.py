@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 
 from asyncrl.inference.backend_protocol import LoraServing
-from asyncrl.inference.engine import EngineSettings
+from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.devices import engine_dtype_name
 
 READY_PREFIX = "asyncrl serve: listening on "  # `asyncrl serve --port 0` prints it, then the URL

@@ -2,7 +2,9 @@
 
 The result is cached under a key derived from the resolved config, so the RL job (and repeated
 `asyncrl sft` calls) reuse it instead of training again. Writes go to a temporary directory that is
-renamed into place only when complete.
+renamed into place only when complete. The steps run on the train engine (train/sft.py): one
+process, or every rank of a torchrun group with the model sharded by FSDP2 (rank 0 evaluates,
+writes the model and reports; every rank returns its result).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pydantic
 import torch
 from rich.console import Console
 from rich.progress import (
@@ -27,39 +28,19 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from asyncrl.config import Config
-from asyncrl.data.arithmetic import ArithmeticTaskConfig
-from asyncrl.data.dataset import DatasetConfig
+from asyncrl.launch.sft_config import SFTRunConfig
+from asyncrl.launch.trainer_group import parallelism
 from asyncrl.models.chat import encode_chat_prompt
-from asyncrl.models.loading import (
-    TINY_BUILD_VERSION,
-    ModelConfig,
-    cache_root,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_model_dir,
-)
-from asyncrl.models.tiny import TinyModelConfig, save_model_dir
+from asyncrl.models.loading import (TINY_BUILD_VERSION, cache_root, load_causal_lm, load_tokenizer,
+                                    resolve_model_dir)
+from asyncrl.models.tiny import save_model_dir
 from asyncrl.reward.exact import exact_answer_reward
+from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.hf_generate import hf_greedy_generate
-from asyncrl.train.optim import OptimizerConfig
-from asyncrl.train.sft import SFTConfig, build_examples, train_sft, with_label_noise
+from asyncrl.train.sft import build_examples, train_sft, with_label_noise
 from asyncrl.train.sft_conversation import first_turn
 
 RESULT_FILE = "sft_result.json"
-
-
-class SFTRunConfig(Config):
-    model: ModelConfig = ModelConfig()
-    tiny: TinyModelConfig = TinyModelConfig()  # used when model.path is None
-    data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)
-    optimizer: OptimizerConfig = OptimizerConfig(lr=2e-3, warmup_steps=20, schedule="cosine",
-                                                 min_lr_ratio=0.1)
-    # The embedded preset: long enough to learn 2-digit addition (a clean run reaches ~95%
-    # greedy), but from demonstrations where 60% of answers are off by one, so the model starts
-    # RL knowing the arithmetic and mostly answering with the wrong habit (configs/sft_tiny.yaml).
-    sft: SFTConfig = SFTConfig(steps=600, label_noise=0.6)
-    output_dir: str | None = None  # None: a cache directory keyed by this config
 
 
 @dataclass
@@ -76,7 +57,8 @@ class SFTResult:
 # Part of the cache key: bump when the SFT code changes what a config trains (the README's
 # main-job figures come from a warm start of this recipe; tests/test_main_job_record.py checks).
 # v2: every core (v1 ran on one thread inside `asyncrl train`; the sums differ in order).
-SFT_RECIPE_VERSION = 2
+# v3: steps on the train engine (padded micro-batches; the sums differ in order).
+SFT_RECIPE_VERSION = 3
 
 
 def cache_key(cfg: SFTRunConfig) -> str:
@@ -153,60 +135,93 @@ def estimate_message(step: int, elapsed: float, steps: int,
 
 def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool = False,
                 then: tuple[str, float | None] | None = None) -> SFTResult:
-    """Train (or reuse the cached) warm start. `then`: (what runs after, its seconds or None),
-    for the total-time estimate printed once the first steps are timed."""
+    """Train (or reuse the cached) warm start; under torchrun every rank calls it. `then`: (what
+    runs after, its seconds or None), for the total-time estimate printed once the first steps
+    are timed."""
     console = console or Console(stderr=True)
+    parallel = parallelism()
+    lead = parallel.rank == 0
     out = output_dir_for(cfg)
-    if not force and (cached := load_cached(out)) is not None:
-        console.print(f"[green]cached[/] SFT model at {out} (eval accuracy {cached.eval_accuracy:.1%})")
+    cached = parallel.broadcast_object(None if force or not lead else load_cached(out))
+    if cached is not None:
+        if lead:
+            console.print(f"[green]cached[/] SFT model at {out} "
+                          f"(eval accuracy {cached.eval_accuracy:.1%})")
         return cached
-    console.print(f"No cached SFT warm start for this config: training it now ({cfg.sft.steps} "
-                  f"steps; cached in {out} for later runs). An estimate follows after "
-                  f"{ESTIMATE_AFTER} steps.")
+    if lead:
+        console.print(f"No cached SFT warm start for this config: training it now "
+                      f"({cfg.sft.steps} steps; cached in {out} for later runs). An estimate "
+                      f"follows after {ESTIMATE_AFTER} steps.")
     torch.manual_seed(cfg.sft.seed)
     base = resolve_model_dir(cfg.model, cfg.tiny)  # a hub id: its cached snapshot
     tokenizer = load_tokenizer(base, cfg.model.trust_remote_code)
-    model = load_causal_lm(base, cfg.model.dtype, cfg.model.trust_remote_code)
+
+    def load_base() -> torch.nn.Module:
+        return load_causal_lm(base, cfg.model.dtype, cfg.model.trust_remote_code)
+
+    engine = HFTrainEngine(load_base(), cfg.train, total_steps=cfg.sft.steps, parallel=parallel)
     dataset = cfg.data.build()
     train_rows = with_label_noise(dataset.train_rows(), cfg.sft.label_noise,
                                   cfg.sft.label_noise_offset, cfg.sft.seed)
     examples = build_examples(tokenizer, train_rows, cfg.model.template_kwargs())
     eval_rows = dataset.eval_rows()[: cfg.sft.eval_size]
-    console.print(f"SFT: {len(examples)} train rows, {len(eval_rows)} eval rows, "
-                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, base {base}")
+    params = sum(p.numel() for p in engine.model.parameters())  # a DTensor's is its global
+    if lead:
+        console.print(f"SFT: {len(examples)} train rows, {len(eval_rows)} eval rows, "
+                      f"{params / 1e6:.2f}M params, base {base}, {parallel.world_size} rank(s)")
 
-    def evaluate() -> float:
+    def trained_model() -> torch.nn.Module | None:
+        """The model as a plain HF module on rank 0 (None elsewhere): the engine's own on one
+        process, a copy with the gathered weights under FSDP2 (every rank calls)."""
+        if parallel.world_size == 1:
+            return engine.model
+        weights = engine.model_state_dict()
+        if not lead:
+            return None
+        model = load_base()
+        model.load_state_dict(weights)
+        return model
+
+    def evaluate() -> tuple[float, torch.nn.Module | None]:
+        model = trained_model()
+        if model is None:
+            return 0.0, None
         model.eval()
         return greedy_accuracy(model, tokenizer, eval_rows, cfg.sft.eval_max_new_tokens,
-                               cfg.model.template_kwargs())
+                               cfg.model.template_kwargs()), model
 
     columns = [TextColumn("[bold]sft"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console, transient=False) as progress:
+    with Progress(*columns, console=console, transient=False, disable=not lead) as progress:
         task = progress.add_task("sft", total=cfg.sft.steps, info="")
 
         def on_step(step: int, stats: dict[str, float]) -> None:
-            info = f"loss {stats['sft/loss']:.3f} lr {stats['sft/lr']:.1e}"
+            info = f"loss {stats['train/loss']:.3f} lr {stats['train/lr']:.1e}"
+            if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
+                acc, _ = evaluate()
+                if lead:
+                    progress.console.print(f"step {step}: eval greedy accuracy {acc:.1%}")
+            if not lead:
+                return
             if step == min(ESTIMATE_AFTER, cfg.sft.steps):
                 progress.console.print(estimate_message(step, stats["time/elapsed_s"],
                                                         cfg.sft.steps, then))
-            if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
-                acc = evaluate()
-                progress.console.print(f"step {step}: eval greedy accuracy {acc:.1%}")
             if step % cfg.sft.log_every == 0 and not progress.console.is_terminal:
                 progress.console.print(f"step {step}/{cfg.sft.steps}: {info}")
             progress.update(task, advance=1, info=info)
 
         t0 = time.perf_counter()
-        history = train_sft(model, examples, cfg.sft, cfg.optimizer, tokenizer.pad_token_id, on_step)
+        history = train_sft(engine, examples, cfg.sft, on_step)
         train_seconds = time.perf_counter() - t0
-    accuracy = evaluate()
+    accuracy, model = evaluate()
     result = SFTResult(str(out), accuracy, len(eval_rows), train_seconds, cfg.sft.steps,
-                       history[-1]["sft/loss"])
-    save_atomically(model, tokenizer, cfg, result, out)
-    console.print(f"SFT done in {train_seconds:.1f}s: eval greedy accuracy {accuracy:.1%} "
-                  f"on {len(eval_rows)} held-out problems -> {out}")
-    return result
+                       history[-1]["train/loss"])
+    if lead:
+        save_atomically(model, tokenizer, cfg, result, out)
+        console.print(f"SFT done in {train_seconds:.1f}s: eval greedy accuracy {accuracy:.1%} "
+                      f"on {len(eval_rows)} held-out problems -> {out}")
+    parallel.barrier()  # the model is in place before any rank uses it
+    return parallel.broadcast_object(result)
 
 
 def save_atomically(model, tokenizer, cfg: SFTRunConfig, result: SFTResult, out: Path) -> None:

@@ -46,7 +46,7 @@ from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
 from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
                                             load_loop_state)
 from asyncrl.launch.run_logger import RunLogger
-from asyncrl.launch.train_config import TrainRunConfig
+from asyncrl.launch.train_config import CONFIG_FILE, TrainRunConfig
 from asyncrl.launch.train_loop import TrainLoop, bounded
 from asyncrl.launch.trainer_group import (
     TrainerGroup,
@@ -63,9 +63,9 @@ from asyncrl.launch.workflows import (WorkflowContext, resolve_evaluator, resolv
 from asyncrl.models.loading import load_tokenizer, resolve_model_dir
 from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.rollout.executor import WorkflowExecutor
-from asyncrl.train.lora import lora_enabled, peft_config_dict
+from asyncrl.train.lora import peft_config_dict
+from asyncrl.train.config import lora_enabled
 
-CONFIG_FILE = "config.yaml"
 
 
 @dataclass
@@ -209,9 +209,11 @@ class Trainer:
             cfg.save(self.run_dir / CONFIG_FILE)
         torch.manual_seed(cfg.seed)
         with trainer_threads(cfg):
-            # rank 0 decides (and may run the SFT warm start); the others are told the paths
-            state, policy_dir, self.ckpt, self.base = broadcast(self._initial_state() if leader
-                                                                else None)
+            # every rank takes part in the SFT warm start (FSDP2 under torchrun); rank 0
+            # decides what to resume, the others are told
+            base = resolve_base_model(cfg, self.console if leader else Console(quiet=True))
+            state, policy_dir, self.ckpt, self.base = broadcast(
+                self._initial_state(base) if leader else None)
             tokenizer = load_tokenizer(policy_dir, cfg.model.trust_remote_code)
             group = self._build_trainer(policy_dir, tokenizer)
             try:
@@ -292,12 +294,11 @@ class Trainer:
         kwargs = cfg.model.template_kwargs()
         prompts = [encode_chat_prompt(tokenizer, r["messages"], template_kwargs=kwargs)
                    for r in rows]
-        return LogprobCheck(group.score, prompts, cfg.train.temperature,
+        return LogprobCheck(group.score, prompts, cfg.gconfig.temperature,
                             cfg.inference.check_logprobs_tolerance)
 
-    def _initial_state(self) -> tuple[LoopState, Path, Path | None, Path]:
+    def _initial_state(self, base: Path) -> tuple[LoopState, Path, Path | None, Path]:
         """(loop state, weights the engines start from, checkpoint to load, base model)."""
-        base = resolve_base_model(self.cfg, self.console)
         if self.resume:
             ckpt = latest_checkpoint(self.run_dir)
             state = load_loop_state(ckpt)
@@ -309,26 +310,30 @@ class Trainer:
         return LoopState(0, 0, 0.0, 0.0), base, None, base
 
     def _build_trainer(self, policy_dir: Path, tokenizer: Any) -> TrainerGroup:
+        from asyncrl.train.checkpoint import load_state
+        from asyncrl.train.heads import LogprobHead
+
         cfg = self.cfg
         # the LR schedule counts optimizer steps: ppo_n_minibatches per policy version
         steps = cfg.total_steps * cfg.actor.ppo_n_minibatches
-        train_cfg = cfg.train.model_copy(update={"total_steps": steps})
         trust = cfg.model.trust_remote_code
-        trainer = load_engine(policy_dir, train_cfg, cfg.model.dtype, trust)
-        if self.ckpt is not None:
-            trainer.load(self.ckpt / TRAINER)  # weights, optimizer, RNG and the version
+        head = LogprobHead(cfg.gconfig.temperature)  # the sampler's
+        trainer = load_engine(policy_dir, cfg.train, cfg.model.dtype, trust, total_steps=steps,
+                              head=head, lora=cfg.train.lora)
+        if self.ckpt is not None:  # weights, optimizer, RNG and the version
+            load_state(self.ckpt / TRAINER, trainer.parallel, {"engine": trainer})
         ref = None
         if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
-            ref = load_engine(self.base, train_cfg.model_copy(update={"trainable": False}),
-                              cfg.model.dtype, trust)
+            ref = load_engine(self.base, cfg.train, cfg.model.dtype, trust, head=head,
+                              trainable=False)
         critic = None
         if cfg.actor.advantage.estimator == "gae":  # a fresh value head on the base model's body
-            critic = load_critic(self.base, cfg.critic.model_copy(update={"total_steps": steps}),
-                                 cfg.model.dtype, trust)
+            critic = load_critic(self.base, cfg.critic, cfg.model.dtype, steps, trust)
             if self.ckpt is not None:
-                critic.load(self.ckpt / CRITIC)
+                load_state(self.ckpt / CRITIC, critic.parallel, {"engine": critic})
         loss: PolicyLoss | None = resolve_loss(self.plugins.loss, cfg)
-        return TrainerGroup(trainer, cfg.actor, ref, tokenizer, loss, critic)
+        return TrainerGroup(trainer, cfg.actor, ref, tokenizer, loss, critic,
+                            cfg.critic.value_eps_clip)
 
 
 def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
@@ -340,15 +345,4 @@ def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return data
 
 
-def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig:
-    """The saved config of a run (for --resume), with `overrides` applied on top."""
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        from asyncrl.errors import UserError
-
-        raise UserError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a run directory "
-                        "written by asyncrl train?")
-    return TrainRunConfig.load(str(path), overrides)
-
-
-__all__ = ["TrainResult", "TrainRunConfig", "Trainer", "load_run_config"]
+__all__ = ["TrainResult", "TrainRunConfig", "Trainer"]

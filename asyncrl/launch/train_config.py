@@ -6,31 +6,34 @@ With `model.path` unset the job warm-starts the embedded tiny model on the synth
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
 
 from asyncrl.api import GenerationConfig
 from asyncrl.config import Config
+from asyncrl.errors import UserError
 from asyncrl.data.arithmetic import ArithmeticTaskConfig
 from asyncrl.data.dataset import DatasetConfig
-from asyncrl.inference.engine import EngineSettings
-from asyncrl.inference.remote import RemoteEngineConfig
+from asyncrl.inference.config import EngineSettings
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.rollout.answer_eval import EvalConfig
 from asyncrl.launch.ray_config import RayConfig
 from asyncrl.launch.run_logger import LoggingConfig
-from asyncrl.launch.sft import SFTRunConfig
+from asyncrl.launch.sft_config import SFTRunConfig
 from asyncrl.launch.watchdog import WatchdogConfig
-from asyncrl.models.export import DEFAULT_SHARD_SIZE, parse_shard_size
-from asyncrl.models.loading import ModelConfig
+from asyncrl.models.config import DEFAULT_SHARD_SIZE, parse_shard_size
+from asyncrl.models.config import ModelConfig
 from asyncrl.proxy.config import AgentConfig
 from asyncrl.reward.config import RewardConfig, reward_config
 from asyncrl.rollout.executor import RolloutConfig
 from asyncrl.rollout.multi_turn import MultiTurnConfig
-from asyncrl.train.engine import TrainEngineConfig
-from asyncrl.train.optim import OptimizerConfig
-from asyncrl.train.ppo_actor import PPOActorConfig
-from asyncrl.train.proximal import ProximalConfig
+from asyncrl.train.config import (CriticConfig, OptimizerConfig, PolicyTrainConfig,
+                                  PPOActorConfig, ProximalConfig)
+
+
+CONFIG_FILE = "config.yaml"  # the resolved config of a run, in its directory
 
 
 class RLVRWorkflowConfig(Config):
@@ -200,11 +203,13 @@ class TrainRunConfig(Config):
                                            max_head_offpolicyness=2)
     # loglinear: the proximal policy without an extra forward pass (a third of a CPU step)
     actor: PPOActorConfig = PPOActorConfig(proximal=ProximalConfig(proximal_logprobs="loglinear"))
-    train: TrainEngineConfig = TrainEngineConfig(
+    # the policy's engine; the LR schedule's horizon is total_steps * actor.ppo_n_minibatches and
+    # its logprobs are taken at gconfig.temperature (the sampler's)
+    train: PolicyTrainConfig = PolicyTrainConfig(
         optimizer=OptimizerConfig(lr=2e-4, warmup_steps=5, schedule="constant"))
     # advantage.estimator gae: the critic, a value head on the policy's body trained alongside
     # (checkpointed with the run, sharded like the policy under torchrun)
-    critic: TrainEngineConfig = TrainEngineConfig(
+    critic: CriticConfig = CriticConfig(
         optimizer=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant"))
     inference: InferenceLaunchConfig = InferenceLaunchConfig()
     eval: EvalConfig = EvalConfig()
@@ -250,13 +255,6 @@ class TrainRunConfig(Config):
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:
         check_lora(self)
-        if not self.critic.trainable:
-            raise ValueError("critic.trainable=False: the critic is trained alongside the policy "
-                             "(advantage.estimator gae); allowed: true")
-        if self.train.temperature != self.gconfig.temperature and not self.gconfig.greedy:
-            raise ValueError(
-                f"train.temperature={self.train.temperature} must equal gconfig.temperature="
-                f"{self.gconfig.temperature}: the trainer's logprobs must be those of the sampler")
         if self.gconfig.n_samples < 2 and self.actor.advantage.estimator in ("grpo", "rloo",
                                                                               "drgrpo"):
             raise ValueError(f"gconfig.n_samples={self.gconfig.n_samples} is out of range for "
@@ -267,11 +265,7 @@ class TrainRunConfig(Config):
 
 def check_lora(cfg: TrainRunConfig) -> None:
     """`train.lora` needs an adapter path to every engine: in memory or HTTP buckets (asyncrl),
-    a PEFT adapter directory (asyncrl, vLLM); the critic trains all its weights."""
-    if cfg.critic.lora is not None:
-        raise ValueError("critic.lora is not supported: the critic (a fresh value head) trains "
-                         "all its weights; allowed: null (train.lora with advantage.estimator "
-                         "gae is fine)")
+    a PEFT adapter directory (asyncrl, vLLM)."""
     lora = cfg.train.lora
     if lora is None or not lora.enabled:
         return
@@ -288,3 +282,12 @@ def check_lora(cfg: TrainRunConfig) -> None:
         from asyncrl.launch.server_commands import vllm_lora_args
 
         vllm_lora_args(LoraServing(lora.r))  # raises for a rank vLLM cannot serve
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig:
+    """The saved config of a run (for --resume), with `overrides` applied on top."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"--resume {run_dir}: no {CONFIG_FILE} there; is it a run directory "
+                        "written by asyncrl train?")
+    return TrainRunConfig.load(str(path), overrides)

@@ -17,9 +17,11 @@ import torch
 
 from asyncrl.api import PolicyLoss, Sample, Trajectory
 from asyncrl.launch.run_checkpoints import LoopState, save_run_checkpoint
-from asyncrl.models.export import DEFAULT_SHARD_SIZE
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
-from asyncrl.train.ppo_actor import PPOActor, PPOActorConfig
+from asyncrl.models.config import DEFAULT_SHARD_SIZE
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.parallel import Parallelism, SingleProcess
+from asyncrl.train.ppo_actor import PPOActor
+from asyncrl.train.config import CriticConfig, PPOActorConfig, TrainEngineConfig
 
 
 def world_size() -> int:
@@ -34,27 +36,32 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str,
-                trust_remote_code: bool = False) -> HFTrainEngine:
-    """HFTrainEngine on one process, FSDPTrainEngine (sharded) under torchrun."""
+def parallelism() -> Parallelism:
+    """FSDP2 over the torchrun ranks, or one process."""
     if not is_distributed():
-        return HFTrainEngine.from_pretrained(path, cfg, dtype=dtype,
-                                             trust_remote_code=trust_remote_code)
+        return SingleProcess()
+    from asyncrl.train.fsdp import FSDP2
+
+    return FSDP2()
+
+
+def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str, trust_remote_code: bool = False,
+                **kwargs: Any) -> HFTrainEngine:
+    """HFTrainEngine on one process, sharded by FSDP2 under torchrun."""
     from asyncrl.models.loading import load_causal_lm
-    from asyncrl.train.fsdp import FSDPTrainEngine, init_distributed
 
-    init_distributed()
-    return FSDPTrainEngine(load_causal_lm(path, dtype, trust_remote_code), cfg)
+    return HFTrainEngine(load_causal_lm(path, dtype, trust_remote_code), cfg,
+                         parallel=parallelism(), **kwargs)
 
 
-def load_critic(path: Path, cfg: TrainEngineConfig, dtype: str,
+def load_critic(path: Path, cfg: CriticConfig, dtype: str, total_steps: int,
                 trust_remote_code: bool = False) -> HFTrainEngine:
-    """A value head on the policy's body: CriticEngine, sharded like the policy under torchrun."""
+    """A value head on the policy's body, sharded like the policy under torchrun."""
     from asyncrl.models.loading import load_causal_lm
-    from asyncrl.train.critic import CriticEngine, ValueModel, fsdp_critic_engine
+    from asyncrl.train.critic import critic_engine
 
-    model = ValueModel(load_causal_lm(path, dtype, trust_remote_code))
-    return fsdp_critic_engine(model, cfg) if is_distributed() else CriticEngine(model, cfg)
+    return critic_engine(load_causal_lm(path, dtype, trust_remote_code), cfg, total_steps,
+                         parallelism())
 
 
 def leave_process_group() -> None:
@@ -83,10 +90,11 @@ def broadcast(obj: Any) -> Any:
 class TrainerGroup:
     def __init__(self, trainer: HFTrainEngine, actor_cfg: PPOActorConfig,
                  ref: HFTrainEngine | None, tokenizer: Any, loss: PolicyLoss | None = None,
-                 critic: HFTrainEngine | None = None) -> None:
+                 critic: HFTrainEngine | None = None,
+                 value_eps_clip: float | None = 0.2) -> None:
         """`loss`: None for the built-in PPO loss; every rank must be given the same one."""
         self.trainer, self.tokenizer, self.critic = trainer, tokenizer, critic
-        self.actor = PPOActor(trainer, actor_cfg, ref, loss, critic)
+        self.actor = PPOActor(trainer, actor_cfg, ref, loss, critic, value_eps_clip)
         self.distributed = is_distributed()
 
     def _command(self, name: str, payload: Any = None) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -20,28 +19,10 @@ from typing import Any
 
 import torch
 
-# The Hub's usual shard size (transformers 4.x's default; 5.x's is 50GB, too big for many
-# uploads and for a reader that stages one shard at a time).
-DEFAULT_SHARD_SIZE = "5GB"
+from asyncrl.models.config import DEFAULT_SHARD_SIZE, parse_shard_size
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_shard_size(value: int | str, field: str = "max_shard_size") -> int:
-    """Bytes from `value`: an integer number of bytes or a size such as "5GB", "500MiB"."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)):
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    else:
-        size = -1
-    if size <= 0:
-        raise ValueError(f"{field}={value!r} is not a size; allowed: a number of bytes > 0 or a "
-                         "string with a unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '5GB')")
-    return size
 
 
 def without_tied_aliases(

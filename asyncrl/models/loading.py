@@ -19,16 +19,15 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import pydantic
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerFast)
 
 from asyncrl.errors import UserError
-from asyncrl.models.chat_options import ChatOptions
 from asyncrl.models.hf_quiet import quiet_hf_progress
-from asyncrl.models.tiny import DTYPES, TinyModelConfig, build_tiny_model
+from asyncrl.models.tiny import DTYPES, build_tiny_model
+from asyncrl.models.config import ModelConfig, TinyModelConfig
 
 # Part of the cache key: bump when the builder's output changes for the same config (tokenizer,
 # chat template, file layout), so stale cached models are not silently reused.
@@ -42,28 +41,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 class ModelLoadError(UserError):
     """The model directory is missing or is not a HF model directory; the message names the path."""
-
-
-class ModelConfig(ChatOptions):
-    """Which policy model to load; `path=None` means the embedded tiny model. Its chat options
-    (chat_template_kwargs, reasoning_parser, tool_parser: models/chat_options.py) apply to every
-    prompt and reply of the job."""
-
-    # local HF model directory or hub id (org/name); None: the embedded tiny model
-    path: str | None = None
-    revision: str | None = None  # of a hub id: branch, tag or commit; None: main
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype the weights are loaded in
-    trust_remote_code: bool = False  # allow the model's own Python code (HF auto_map)
-
-    @pydantic.model_validator(mode="after")
-    def _revision_of_a_hub_id(self) -> ModelConfig:
-        # only the obvious cases here: whether `org/name` is a local path depends on the
-        # machine the job runs on, which resolve_model_path checks at launch
-        if self.revision is not None and (self.path is None
-                                          or self.path.startswith(("/", ".", "~"))):
-            raise ValueError(f"revision={self.revision!r} applies to a hub id (org/name) only, "
-                             f"and path={self.path!r} is not one")
-        return self
 
 
 def check_model_dir(path: str | Path) -> Path:

@@ -137,7 +137,8 @@ def build_preset_model(name: str, out_dir: str | Path, dtype: str | None = None,
                        seed: int = 0) -> Path:
     """Build preset `name` and save it as a HF directory at `out_dir`."""
     from asyncrl.models.export import save_model_dir
-    from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+    from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.models.config import TinyModelConfig
 
     if check_preset(name) == TINY:
         return build_tiny_model(TinyModelConfig(dtype=check_dtype(dtype, name), seed=seed),
@@ -150,7 +151,7 @@ def preset_model_dir(name: str, dtype: str | None = None, seed: int = 0) -> Path
     """Where `ensure_preset_model` caches preset `name` (keyed by the build version, the preset's
     numbers, the dtype, the seed and, for Qwen presets, the tokenizer's corpus digest)."""
     from asyncrl.models.loading import cache_root, default_model_dir
-    from asyncrl.models.tiny import TinyModelConfig
+    from asyncrl.models.config import TinyModelConfig
 
     dtype = check_dtype(dtype, check_preset(name))
     if name == TINY:
@@ -166,7 +167,7 @@ def preset_model_dir(name: str, dtype: str | None = None, seed: int = 0) -> Path
 def ensure_preset_model(name: str, dtype: str | None = None, seed: int = 0) -> Path:
     """The cached model directory of preset `name`, built first if absent."""
     from asyncrl.models.loading import build_once, ensure_tiny_model
-    from asyncrl.models.tiny import TinyModelConfig
+    from asyncrl.models.config import TinyModelConfig
 
     dtype = check_dtype(dtype, check_preset(name))
     if name == TINY:

@@ -13,9 +13,7 @@ With the defaults (qwen2, hidden 256, 8 layers, 4 heads / 2 KV heads, MLP 768, v
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-import pydantic
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -27,7 +25,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from asyncrl.config import Config
+from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.export import save_model_dir
 from asyncrl.models.tokenizer import (
     ENDOFTEXT_ID,
@@ -42,38 +40,6 @@ ARCH_CONFIGS: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TinyModelConfig(Config):
-    """Shape of the embedded tiny model; its hash names the cache directory it is built into."""
-
-    arch: Literal["qwen2", "llama"] = "qwen2"  # HF architecture of the embedded model
-    hidden_size: int = pydantic.Field(256, ge=8)  # width of the residual stream
-    num_layers: int = pydantic.Field(8, ge=1)  # decoder layers
-    num_heads: int = pydantic.Field(4, ge=1)  # attention (query) heads
-    # key/value heads (grouped-query attention when < num_heads)
-    num_kv_heads: int = pydantic.Field(2, ge=1)
-    intermediate_size: int = pydantic.Field(768, ge=1)  # MLP width
-    # longest sequence (prompt + completion)
-    max_position_embeddings: int = pydantic.Field(1024, ge=16)
-    rope_theta: float = pydantic.Field(10000.0, gt=0)  # RoPE base frequency
-    tie_word_embeddings: bool = True  # the output head shares the embeddings
-    vocab_multiple: int = pydantic.Field(64, ge=1)  # pad the embedding rows for aligned matmuls
-    seed: int = 0  # the random initial weights
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype of the saved weights
-
-    @pydantic.model_validator(mode="after")
-    def _check_head_shapes(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads} "
-                "(grouped-query attention shares each KV head across a whole group of query heads)"
-            )
-        return self
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:

@@ -14,23 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
-import pydantic
 import torch
 
-from asyncrl.config import Config
+from asyncrl.train.config import AdvantageConfig
 from asyncrl.train.aggregation import masked_mean
 from asyncrl.train.reward_shaping import (
-    TruncationMode,
     handle_truncated,
     outcome_token_rewards,
     overlong_penalty,
     shape_rewards,
 )
-
-Estimator = Literal["grpo", "rloo", "drgrpo", "reinforce_pp", "gae"]
-
 
 def _flatten_groups(
     rewards: torch.Tensor, group_ids: torch.Tensor | None
@@ -149,42 +143,6 @@ def gae_advantages(
         next_adv = torch.where(m, a, next_adv)
     returns = torch.where(mask, adv + vals, torch.zeros_like(vals))
     return adv, returns
-
-
-class AdvantageConfig(Config):
-    estimator: Estimator = "grpo"  # how advantages are computed from rewards (gae: with the critic)
-    std_eps: float = pydantic.Field(1e-6, gt=0.0)  # added to the group's reward std before dividing
-    gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
-    lam: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
-    # rewards become clip((r - reward_bias) * reward_scale, -reward_clip, reward_clip)
-    reward_scale: float = pydantic.Field(1.0, gt=0.0)
-    reward_bias: float = 0.0  # subtracted from every reward first
-    # None: no clipping
-    reward_clip: float | None = pydantic.Field(None, gt=0.0)
-    # DAPO soft overlong punishment; None disables. max_len is the generation limit (new tokens).
-    overlong_buffer_len: int | None = pydantic.Field(None, ge=1)
-    # the generation limit the soft penalty counts back from
-    overlong_max_len: int | None = pydantic.Field(None, ge=1)
-    # the penalty at max_len, growing linearly over the buffer
-    overlong_penalty_factor: float = pydantic.Field(1.0, ge=0.0)
-    # a completion cut at max_new_tokens: kept, its reward set to 0, or its loss masked
-    truncated: TruncationMode = "keep"
-
-    @pydantic.model_validator(mode="after")
-    def _check_overlong(self) -> AdvantageConfig:
-        if self.overlong_buffer_len is None:
-            return self
-        if self.overlong_max_len is None:
-            raise ValueError(
-                f"overlong_buffer_len={self.overlong_buffer_len} needs overlong_max_len "
-                "(the generation limit in tokens)"
-            )
-        if self.overlong_buffer_len > self.overlong_max_len:
-            raise ValueError(
-                f"overlong_buffer_len={self.overlong_buffer_len} is out of range; "
-                f"allowed [1, overlong_max_len={self.overlong_max_len}]"
-            )
-        return self
 
 
 @dataclass(frozen=True)

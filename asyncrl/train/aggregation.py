@@ -26,11 +26,10 @@ the last dimension of a padded [B, T] layout, or, for a packed [N] micro-batch, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+from asyncrl.train.config import LossAgg
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The critic for PPO with GAE: a causal LM's backbone plus a scalar value head, trained packed.
 
 `ValueModel` keeps the transformer body of a HF causal LM (`lm.model`, Llama/Qwen2 layout) and
-replaces the vocabulary head with a linear map hidden -> 1. `CriticEngine` is `HFTrainEngine`
-with that model: the same packing, micro-batching, global loss-token normaliser, autocast,
-checkpointing and (through `FSDPTrainEngine`'s hooks) the same sharding, because the only thing
+replaces the vocabulary head with a linear map hidden -> 1. The critic is an `HFTrainEngine` on
+that model with a `heads.ValueHead` (`critic_engine`): the same packing, micro-batching, global
+loss-token normaliser, autocast, checkpointing and sharding as the policy, because the only thing
 that differs is the per-token output of one packed micro-batch: a value instead of a logprob.
 
 Values use the input-aligned convention of `Sample` and `gae_advantages`: index t holds
@@ -16,14 +16,16 @@ nothing leaks across a packing boundary.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.train.engine import HFTrainEngine, MicroBatchLossFn, TrainEngineConfig
+from asyncrl.train.engine import HFTrainEngine, MicroBatchLossFn
+from asyncrl.train.heads import ValueHead
+from asyncrl.train.config import CriticConfig
 from asyncrl.train.losses import critic_value_loss
-from asyncrl.train.packing import PackedMicroBatch, next_token_logprobs_aligned
+from asyncrl.train.packing import PackedMicroBatch
+from asyncrl.train.parallel import Parallelism
 
 
 class ValueModel(torch.nn.Module):
@@ -62,50 +64,6 @@ class ValueModel(torch.nn.Module):
         self.model.gradient_checkpointing_enable(**kwargs)
 
 
-class CriticEngine(HFTrainEngine):
-    """`HFTrainEngine` whose per-token output is the value (float32, input-aligned).
-
-    `forward(samples)` -> one tensor of values per sample; `train_batch(samples, loss_fn,
-    token_data)` -> one optimizer step with `loss_fn(values [N] with grad, micro_batch, normalizer)`,
-    e.g. `critic_token_loss()` with token_data {"returns": ..., "old_values": ...}.
-    """
-
-    def __init__(self, model: torch.nn.Module, cfg: TrainEngineConfig | None = None) -> None:
-        if not isinstance(model, ValueModel):
-            model = ValueModel(model)
-        super().__init__(model, cfg)
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | Path, cfg: TrainEngineConfig | None = None, dtype: str = "float32",
-        trust_remote_code: bool = False,
-    ) -> CriticEngine:
-        """A critic initialised from a policy / reward checkpoint's body and a fresh head."""
-        from asyncrl.models.loading import load_causal_lm
-
-        return cls(ValueModel(load_causal_lm(path, dtype, trust_remote_code)), cfg)
-
-    def _token_outputs(self, mb: PackedMicroBatch, with_entropy: bool
-                       ) -> tuple[torch.Tensor, None]:
-        """The engine's per-token output hook: here input-aligned values [N] (float32)."""
-        if with_entropy:
-            raise ValueError("a critic has no token distribution; with_entropy is for policies")
-        return self.packed_values(mb), None
-
-    _prefix_kwargs: dict[str, Any] = {}
-
-    def _head(self, out: torch.Tensor) -> torch.Tensor:
-        return out  # ValueModel already returns the values [B, T]
-
-    def packed_values(self, mb: PackedMicroBatch) -> torch.Tensor:
-        mb = mb.to(self.device)
-        values, computed = self.model_outputs(mb)
-        values = values.float()
-        if computed is not None:
-            values = values.masked_fill(~computed, 0.0)
-        return next_token_logprobs_aligned(values, mb)
-
-
 def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:
     """`critic_value_loss` in the micro-batch loss_fn signature.
 
@@ -130,12 +88,8 @@ def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:
     return loss_fn
 
 
-def fsdp_critic_engine(model: torch.nn.Module, cfg: TrainEngineConfig | None = None
-                       ) -> CriticEngine:
-    """A critic sharded with FSDP2 across the torchrun ranks (every rank calls every method)."""
-    from asyncrl.train.fsdp import FSDPTrainEngine
-
-    class FSDPCriticEngine(CriticEngine, FSDPTrainEngine):
-        """CriticEngine's value outputs on FSDPTrainEngine's sharding and collectives."""
-
-    return FSDPCriticEngine(model, cfg)
+def critic_engine(lm: torch.nn.Module, cfg: CriticConfig, total_steps: int,
+                  parallel: Parallelism | None = None) -> HFTrainEngine:
+    """A fresh value head on `lm`'s body, trained by an engine like the policy's."""
+    return HFTrainEngine(ValueModel(lm), cfg, total_steps=total_steps, head=ValueHead(),
+                         parallel=parallel)

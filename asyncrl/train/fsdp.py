@@ -10,13 +10,14 @@ ranks (divide factor 1): with every micro-batch already divided by the global co
 the one-big-batch gradient, so one step on N ranks equals one step on one process.
 
 FSDP runs collectives inside every forward and backward, so all ranks must run the same number of
-micro-batches; `HFTrainEngine._plan` agrees on the maximum and a rank with less data runs
-zero-loss dummy micro-batches.
+micro-batches; the engine's plan agrees on the maximum (`all_max`) and a rank with less data runs
+zero-loss dummy micro-batches. `FSDP2` is the engine's `Parallelism` (train/parallel.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,8 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from asyncrl.api.trajectory import Sample
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
-from asyncrl.train.lora import merged_state_dict
+from asyncrl.train.config import TrainEngineConfig
 from asyncrl.train.packing import balanced_partition
 
 
@@ -66,22 +66,22 @@ def mixed_precision(cfg: TrainEngineConfig) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()  # everything in the model's own dtype
 
 
-class FSDPTrainEngine(HFTrainEngine):
-    """`HFTrainEngine` with FSDP2-sharded weights; every rank calls every method."""
+class FSDP2:
+    """The `Parallelism` of torchrun ranks: FSDP2-sharded weights, gloo on CPU, NCCL on CUDA.
+    Every rank calls every engine method, in the same order."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainEngineConfig | None = None) -> None:
+    shares_prefixes = False  # a shared prompt's KV cache is invisible to FSDP2's backward hooks
+
+    def __init__(self) -> None:
         init_distributed()
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        super().__init__(model, cfg)
-        # A shared prompt reaches the loss through its KV cache, which FSDP2's pre-backward
-        # hooks do not see: the backward would find the layers' parameters resharded.
-        self.share_prefixes = False
 
-    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = model.to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = mixed_precision(self.cfg)
+    def prepare(self, model: torch.nn.Module, cfg: TrainEngineConfig,
+                device: torch.device) -> torch.nn.Module:
+        model = model.to(device)
+        mesh = init_device_mesh(device.type, (self.world_size,))
+        mp = mixed_precision(cfg)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, (tied) lm_head
@@ -93,40 +93,45 @@ class FSDPTrainEngine(HFTrainEngine):
                 module.set_force_sum_reduction_for_comms(True)
         return model
 
-    def _dist_sum(self, x: torch.Tensor) -> torch.Tensor:
+    def local_indices(self, samples: Sequence[Sample]) -> list[int]:
+        parts = balanced_partition([len(s.input_ids) for s in samples], self.world_size)
+        return parts[self.rank]
+
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
         return x
 
-    def _dist_max(self, x: int) -> int:
-        t = torch.tensor([x], dtype=torch.long, device=self.device)
+    def all_max(self, n: int) -> int:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        t = torch.tensor([n], dtype=torch.long, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def _local_indices(self, samples: list[Sample]) -> list[int]:
-        parts = balanced_partition([len(s.input_ids) for s in samples], self.world_size)
-        return parts[self.rank]
-
-    def _gather_outputs(self, local: dict[int, torch.Tensor], n: int) -> list[torch.Tensor]:
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, local)
-        merged = {k: v for part in gathered for k, v in part.items()}
+    def gather_outputs(self, local: dict[int, torch.Tensor], n: int) -> list[torch.Tensor]:
+        merged = {k: v for part in self.all_gather_object(local) for k, v in part.items()}
         return [merged[i] for i in range(n)]
 
-    def _reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, stats)
+    def reduce_stats(self, stats: dict[str, float]) -> dict[str, float]:
         out: dict[str, float] = {}
-        for part in gathered:
+        for part in self.all_gather_object(stats):
             for k, v in part.items():
                 out[k] = out.get(k, 0.0) + v
         return out
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights on CPU, gathered on rank 0 (empty dict elsewhere); all ranks must call."""
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        return get_model_state_dict(model, options=opts)
 
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        state = self.full_state_dict()
-        return merged_state_dict(state, self.lora.scale) if self.lora is not None else state
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()

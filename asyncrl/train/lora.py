@@ -17,49 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import pydantic
 import torch
 
-from asyncrl.config import Config
 from asyncrl.models.lora import PREFIX, merge_adapter
+from asyncrl.train.config import LoraConfig
 
-# every linear projection of a Llama/Qwen2 decoder layer (attention and MLP); QLoRA's choice
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# adapting these breaks the tie of the embedding and the output head, and the engines merge
-# Linear layers of the decoder only
-REFUSED_TARGETS = ("embed_tokens", "lm_head")
-
-
-class LoraConfig(Config):
-    """`train.lora`: None (the default) trains every weight; any field set turns LoRA on
-    (`train.lora.r=8`), `enabled: false` turns it off again."""
-
-    enabled: bool = True
-    r: int = pydantic.Field(8, ge=1, le=1024)
-    alpha: float = pydantic.Field(16.0, gt=0.0)  # the update is scaled by alpha / r
-    dropout: float = pydantic.Field(0.0, ge=0.0, lt=1.0)  # on the LoRA input, training only
-    target_modules: list[str] = list(DEFAULT_TARGETS)  # module names (suffixes), as PEFT takes
-
-    @pydantic.field_validator("target_modules")
-    @classmethod
-    def _linear_decoder_modules(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError(f"target_modules=[] is empty; allowed: module names such as "
-                             f"{list(DEFAULT_TARGETS)}")
-        bad = [m for m in value if any(r in m for r in REFUSED_TARGETS)]
-        if bad:
-            raise ValueError(f"target_modules={value} contains {bad}; allowed: the decoder's "
-                             f"linear layers, e.g. {list(DEFAULT_TARGETS)} (not "
-                             f"{list(REFUSED_TARGETS)})")
-        return value
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.r
-
-
-def lora_enabled(cfg: LoraConfig | None) -> bool:
-    return cfg is not None and cfg.enabled
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:

@@ -20,17 +20,16 @@ advantages without a critic (`advantages.grpo_advantages`).
 
 from __future__ import annotations
 
-from typing import Literal
 
-import pydantic
 import torch
 
 from asyncrl.api.loss import LossInputs
 from asyncrl.api.validation import check_range
-from asyncrl.config import Config
-from asyncrl.train.aggregation import LossAgg, aggregate, masked_mean, normalizer_unit
+from asyncrl.train.aggregation import aggregate, masked_mean, normalizer_unit
+from asyncrl.train.config import LossAgg
 from asyncrl.train.corrections import bound_weights, cispo_token_loss, log_weights
-from asyncrl.train.regularizers import KLKind, kl_penalty
+from asyncrl.train.regularizers import kl_penalty
+from asyncrl.train.config import PPOLossConfig
 
 
 def sft_loss(
@@ -45,56 +44,6 @@ def sft_loss(
     loss = nll / normalizer
     n = mask.sum().clamp(min=1)
     return loss, {"sft/nll_per_token": float(nll.detach() / n), "sft/tokens": float(mask.sum())}
-
-
-class PPOLossConfig(Config):
-    # PPO clip range of the policy ratio: [1 - eps, 1 + eps]
-    eps_clip: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
-    # DAPO clip-higher: a wider upper bound lets low-probability tokens grow (keeps entropy up).
-    eps_clip_higher: float | None = pydantic.Field(None, gt=0.0)
-    # Dual clip: bounds the loss of a negative-advantage token whose ratio has exploded.
-    c_clip: float | None = pydantic.Field(None, gt=1.0)
-    # Bound on w = pi_prox / pi_behav (staleness and sampler mismatch, see corrections.py);
-    # None trusts the raw weight. cap: truncated IS; mask: masked IS; icepop: two-sided masking
-    # (also below behav_imp_weight_floor, default 1 / cap).
-    behav_imp_weight_cap: float | None = pydantic.Field(None, gt=1.0)
-    # how the bound on pi_prox / pi_behav is applied (see above)
-    behav_imp_weight_mode: Literal["cap", "mask", "icepop"] = "cap"
-    # icepop: weights below this are masked (None: 1 / cap)
-    behav_imp_weight_floor: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
-    # token: one weight per token; sequence: per sequence (geometric mean); None: ratio_level's
-    behav_imp_weight_level: Literal["token", "sequence"] | None = None
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
-    # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE (corrections.py)
-    policy_objective: Literal["ppo", "cispo"] = "ppo"
-    loss_agg: LossAgg = "token_mean"  # how token losses become one number (see aggregation.py)
-    entropy_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the entropy bonus; 0 off
-    kl_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the KL to the reference policy; 0 off
-    kl_kind: KLKind = "k3"  # estimator of the per-token KL
-    # "reward": the trainer subtracts kl_coef * KL from token rewards (regularizers.kl_reward)
-    # before advantages; "loss": ppo_actor_loss adds kl_coef * KL with gradient.
-    kl_as: Literal["reward", "loss"] = "loss"
-
-    @property
-    def clip_high(self) -> float:
-        return self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher
-
-    @property
-    def weight_level(self) -> str:
-        return self.behav_imp_weight_level or self.ratio_level
-
-    @pydantic.model_validator(mode="after")
-    def _consistent(self) -> PPOLossConfig:
-        if self.behav_imp_weight_mode == "icepop" and self.behav_imp_weight_cap is None:
-            raise ValueError("behav_imp_weight_mode='icepop' needs behav_imp_weight_cap (the upper "
-                             "bound; the lower is behav_imp_weight_floor, default 1 / cap)")
-        if self.behav_imp_weight_floor is not None and self.behav_imp_weight_mode != "icepop":
-            raise ValueError(f"behav_imp_weight_floor={self.behav_imp_weight_floor} applies to "
-                             "behav_imp_weight_mode='icepop' only")
-        if self.policy_objective == "cispo" and (self.ratio_level != "token" or self.c_clip):
-            raise ValueError("policy_objective='cispo' clips a per-token weight: it takes "
-                             "ratio_level='token' and no c_clip")
-        return self
 
 
 def _zeros_bool(x: torch.Tensor) -> torch.Tensor:

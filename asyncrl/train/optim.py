@@ -7,32 +7,10 @@ a typed config so runs are reproducible from their dumped YAML.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
-import pydantic
 import torch
 
-from asyncrl.config import Config
-
-
-class OptimizerConfig(Config):
-    lr: float = pydantic.Field(1e-3, gt=0.0, le=1.0)  # AdamW peak learning rate
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW moment decay rates
-    eps: float = pydantic.Field(1e-8, gt=0.0)  # AdamW denominator epsilon
-    weight_decay: float = pydantic.Field(0.0, ge=0.0)  # AdamW decoupled weight decay
-    warmup_steps: int = pydantic.Field(0, ge=0)  # linear warm-up steps from 0 to lr
-    schedule: Literal["constant", "linear", "cosine"] = "constant"  # the learning rate after warm-up
-    # linear/cosine decay ends at lr * this
-    min_lr_ratio: float = pydantic.Field(0.0, ge=0.0, le=1.0)
-    # max global gradient norm; None: no clipping
-    grad_clip: float | None = pydantic.Field(1.0, gt=0.0)
-
-    @pydantic.field_validator("betas")
-    @classmethod
-    def _betas_in_unit_interval(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError(f"betas={list(v)} must each be in [0, 1)")
-        return v
+from asyncrl.train.config import OptimizerConfig
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimizerConfig) -> float:

@@ -13,47 +13,20 @@ loss (`losses.PPOLoss`) or a user's, which receives the same typed `LossInputs`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import pydantic
 import torch
 
 from asyncrl.api.loss import LossInputs, PolicyLoss
 from asyncrl.api.trajectory import Sample, Trajectory
-from asyncrl.config import Config
-from asyncrl.train.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
+from asyncrl.train.advantages import AdvantageInputs, compute_advantages
 from asyncrl.train.critic import critic_token_loss
 from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
-from asyncrl.train.losses import PPOLoss, PPOLossConfig
+from asyncrl.train.losses import PPOLoss
 from asyncrl.train.mismatch import MismatchMonitor
 from asyncrl.train.packing import PackedMicroBatch
-from asyncrl.train.proximal import ProximalConfig, approx_proximal_logprobs
-
-
-class PPOActorConfig(Config):
-    ppo: PPOLossConfig = PPOLossConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
-    proximal: ProximalConfig = ProximalConfig()
-    # Optimizer steps per batch, each on a slice of whole groups; the proximal policy and the
-    # advantages stay those of the start of the batch, so from the second step on the PPO clip
-    # bounds how far the policy moves. The policy version still advances by one per batch.
-    ppo_n_minibatches: int = pydantic.Field(1, ge=1)
-    # estimator gae: the critic (a value head on the policy's body, trained alongside) clips
-    # its update around the values it had when the batch arrived; None: no clip
-    value_eps_clip: float | None = pydantic.Field(0.2, gt=0.0)
-    # The policy loss: "ppo" (losses.PPOLoss with `ppo` above) or a user's `package.module:obj`
-    # implementing api.PolicyLoss; a class (or factory) there is called with `loss_kwargs`.
-    loss: str = pydantic.Field("ppo", description="ppo | package.module:LossClassOrFunction")
-    loss_kwargs: dict[str, Any] = {}  # keyword arguments of a user's loss class or factory
-
-    @pydantic.model_validator(mode="after")
-    def _kwargs_for_a_user_loss(self) -> PPOActorConfig:
-        if self.loss == "ppo" and self.loss_kwargs:
-            raise ValueError(f"actor.loss_kwargs={self.loss_kwargs} is for a user loss "
-                             "(actor.loss: package.module:Loss); the built-in 'ppo' loss is set "
-                             "with actor.ppo.*")
-        return self
+from asyncrl.train.proximal import approx_proximal_logprobs
+from asyncrl.train.config import PPOActorConfig
 
 
 def flatten(trajectories: Sequence[Trajectory]) -> tuple[list[Sample], torch.Tensor]:
@@ -102,7 +75,10 @@ class PPOActor:
 
     def __init__(self, engine: HFTrainEngine, cfg: PPOActorConfig,
                  ref: HFTrainEngine | None = None, loss: PolicyLoss | None = None,
-                 critic: HFTrainEngine | None = None) -> None:
+                 critic: HFTrainEngine | None = None,
+                 value_eps_clip: float | None = 0.2) -> None:
+        """`critic` (estimator gae) regresses on each batch's returns, its update clipped by
+        `value_eps_clip` around the values it had when the batch arrived (None: no clip)."""
         if cfg.ppo.kl_coef > 0 and ref is None:
             raise ValueError(f"ppo.kl_coef={cfg.ppo.kl_coef} > 0 needs a reference model; "
                              "pass ref=HFTrainEngine(..., trainable=False) or set ppo.kl_coef=0")
@@ -111,9 +87,10 @@ class PPOActor:
                              f"rewards); got {cfg.advantage.estimator!r}; use ppo.kl_as='loss'")
         if (cfg.advantage.estimator == "gae") != (critic is not None):
             raise ValueError(f"advantage.estimator={cfg.advantage.estimator!r} "
-                             + ("needs a critic (critic=CriticEngine(...))" if critic is None
+                             + ("needs a critic (critic=critic_engine(...))" if critic is None
                                 else "takes no critic; only 'gae' uses one"))
         self.engine, self.cfg, self.ref, self.critic = engine, cfg, ref, critic
+        self.value_eps_clip = value_eps_clip
         self.loss: PolicyLoss = loss if loss is not None else PPOLoss(cfg.ppo)
         self._batch_version = engine.version.value  # the weights the current batch started from
         self.monitor = MismatchMonitor()
@@ -199,7 +176,7 @@ class PPOActor:
         if self.critic is not None:  # the critic regresses on this batch's GAE returns
             critic_data = {k: data[k] for k in ("returns", "old_values", "adv_loss_mask")}
             critic_stats = self.critic.train_batch(
-                samples, critic_token_loss(self.cfg.value_eps_clip), critic_data)
+                samples, critic_token_loss(self.value_eps_clip), critic_data)
             stats.update({k: v for k, v in critic_stats.items() if k.startswith("critic/")})
             stats["critic/grad_norm"] = critic_stats.get("train/grad_norm", 0.0)
         stats["ppo/minibatches"] = float(len(per_mb))

@@ -14,13 +14,10 @@ The proximal policy is the centre of PPO's trust region; the behaviour policy is
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
-from asyncrl.config import Config
-
-ProximalSource = Literal["recompute", "loglinear", "behaviour"]
+from asyncrl.train.config import ProximalConfig
 
 
 def approx_proximal_logprobs(
@@ -85,17 +82,6 @@ PROXIMAL_SOURCES: dict[str, Callable[..., torch.Tensor]] = {
     "loglinear": _loglinear,
     "behaviour": _behaviour,
 }
-
-
-class ProximalConfig(Config):
-    # the proximal policy's logprobs: a forward pass (recompute), interpolated between behaviour and
-    # current (loglinear), or the behaviour's
-    proximal_logprobs: ProximalSource = "recompute"
-
-    @property
-    def needs_forward_pass(self) -> bool:
-        """Whether the train engine must run the extra pre-update forward pass."""
-        return self.proximal_logprobs == "recompute"
 
 
 def proximal_logprobs(

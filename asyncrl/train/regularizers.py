@@ -9,11 +9,10 @@ REINFORCE++ style) or as a loss term (with gradient, GRPO style); `kl_reward` is
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
-KLKind = Literal["k1", "k2", "k3"]
+from asyncrl.train.config import KLKind
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -8,13 +8,12 @@ the order documented there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
 from asyncrl.api.validation import check_range
 
-TruncationMode = Literal["keep", "mask_loss", "zero_reward"]
+from asyncrl.train.config import TruncationMode
 
 
 def shape_rewards(

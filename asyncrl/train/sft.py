@@ -2,8 +2,10 @@
 
 Rows are chat-formatted (`messages` + `answer`); the loss covers only the assistant's reply and its
 EOS. A row with a `conversation` (a whole OpenAI message list, tool calls included) is trained on
-every assistant turn instead (train/sft_conversation.py). Batches are drawn with a seeded
-generator, so a run is reproducible from its config.
+every assistant turn instead (train/sft_conversation.py). Each row becomes a `Sample` whose loss
+mask covers what is trained, and the steps run through the train engine (`train_sft`): the same
+packing, micro-batching, precision and FSDP2 sharding as RL. Batches are drawn with a seeded
+generator (the same on every rank), so a run is reproducible from its config.
 """
 
 from __future__ import annotations
@@ -11,43 +13,22 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import pydantic
 import torch
 
-from asyncrl.config import Config
+from asyncrl.api.trajectory import PROMPT_VERSION, Sample
 from asyncrl.models.chat import encode_chat_prompt, encode_completion
-from asyncrl.train.logprobs import gather_logprobs
-from asyncrl.train.losses import sft_loss
-from asyncrl.train.optim import OptimizerConfig, build_optimizer
+from asyncrl.train.config import SFTConfig
+from asyncrl.train.engine import HFTrainEngine, sft_token_loss
 from asyncrl.train.sft_conversation import conversation_ids
 
 
-class SFTConfig(Config):
-    steps: int = pydantic.Field(300, ge=1)  # optimizer steps
-    batch_size: int = pydantic.Field(64, ge=1)  # rows per step
-    eval_every: int = pydantic.Field(0, ge=0, description="0 = evaluate only at the end")
-    eval_size: int = pydantic.Field(256, ge=1)  # held-out rows of the greedy accuracy eval
-    eval_max_new_tokens: int = pydantic.Field(16, ge=1)  # generation limit of the eval
-    log_every: int = pydantic.Field(10, ge=1)  # steps between log lines
-    seed: int = 0  # row order and label noise
-    # Systematically biased demonstrations: this fraction of training rows (chosen by a seeded
-    # hash of the row id) shows integer answers shifted by `label_noise_offset`. A model trained
-    # on them knows the arithmetic but has learned a wrong habit, which a verifier-driven RL
-    # run can correct; 0 trains on clean labels. Held-out evaluation always uses true answers.
-    label_noise: float = pydantic.Field(0.0, ge=0.0, le=1.0)
-    label_noise_offset: int = 1  # how far the noisy answers are shifted
-    # As in the train engine: bf16 autocast keeps fp32 master weights and optimizer state; on a
-    # CPU with AVX512-BF16 it makes a tiny-model step ~1.5x faster.
-    autocast_dtype: Literal["none", "bfloat16"] = "none"
-
-
-@dataclass
-class SFTExample:
-    input_ids: list[int]
-    target_mask: list[int]  # 1 where the token is part of the reply (predicted, trained on)
+def demonstration(input_ids: list[int], target_mask: list[int]) -> Sample:
+    """A training sequence whose `target_mask` tokens (the replies) are trained on."""
+    n = len(input_ids)
+    return Sample(list(input_ids), list(target_mask), [0.0] * n,
+                  [0 if m else PROMPT_VERSION for m in target_mask])
 
 
 def reply_text(row: dict[str, Any]) -> str:
@@ -82,77 +63,33 @@ def with_label_noise(rows: list[dict[str, Any]], fraction: float, offset: int,
 
 
 def build_examples(tokenizer: Any, rows: list[dict[str, Any]],
-                   template_kwargs: dict[str, Any] | None = None) -> list[SFTExample]:
+                   template_kwargs: dict[str, Any] | None = None) -> list[Sample]:
     """`template_kwargs`: the model's chat template variables (model.chat_template_kwargs),
     so SFT trains on the prompts rollouts will render."""
     out = []
     for row in rows:
         if row.get("conversation") is not None:
-            out.append(SFTExample(*conversation_ids(tokenizer, row, template_kwargs)))
+            out.append(demonstration(*conversation_ids(tokenizer, row, template_kwargs)))
             continue
         prompt = encode_chat_prompt(tokenizer, row["messages"], template_kwargs=template_kwargs)
         reply = encode_completion(tokenizer, reply_text(row))
-        out.append(SFTExample(prompt + reply, [0] * len(prompt) + [1] * len(reply)))
+        out.append(demonstration(prompt + reply, [0] * len(prompt) + [1] * len(reply)))
     return out
 
 
-def collate(examples: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch; `label_mask[t]` says whether position t's next token is trained on."""
-    width = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    tmask = torch.zeros((len(examples), width), dtype=torch.long)
-    attn = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[i, :n] = torch.tensor(e.input_ids)
-        tmask[i, :n] = torch.tensor(e.target_mask)
-        attn[i, :n] = 1
-    labels = torch.roll(ids, -1, dims=1)
-    label_mask = torch.roll(tmask, -1, dims=1)
-    label_mask[:, -1] = 0
-    return {"input_ids": ids, "attention_mask": attn, "labels": labels, "label_mask": label_mask}
-
-
-def sft_step(model, batch: dict[str, torch.Tensor], opt, sched, grad_clip: float | None,
-             autocast_dtype: str = "none") -> dict:
-    model.train()
-    device = batch["input_ids"].device.type
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast_dtype == "bfloat16"):
-        logits = model(input_ids=batch["input_ids"],
-                       attention_mask=batch["attention_mask"]).logits
-    logp = gather_logprobs(logits, batch["labels"])
-    normalizer = batch["label_mask"].sum().clamp(min=1)
-    loss, stats = sft_loss(logp, batch["label_mask"], normalizer)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if grad_clip is not None:
-        stats["sft/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-    opt.step()
-    sched.step()
-    stats["sft/loss"] = float(loss.detach())
-    stats["sft/lr"] = sched.get_last_lr()[0]
-    return stats
-
-
-def train_sft(
-    model,
-    examples: list[SFTExample],
-    cfg: SFTConfig,
-    opt_cfg: OptimizerConfig,
-    pad_id: int,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
-) -> list[dict[str, float]]:
-    """Run cfg.steps optimizer steps; `on_step(step, stats)` drives progress, logging and eval."""
+def train_sft(engine: HFTrainEngine, examples: list[Sample], cfg: SFTConfig,
+              on_step: Callable[[int, dict[str, float]], None] | None = None
+              ) -> list[dict[str, float]]:
+    """Run cfg.steps optimizer steps of `engine` (built with total_steps=cfg.steps); every rank
+    of a torchrun group calls it. `on_step(step, stats)` drives progress, logging and eval."""
     if not examples:
         raise ValueError("SFT needs at least one training example; the train split is empty")
     gen = torch.Generator().manual_seed(cfg.seed)
-    opt, sched = build_optimizer(model.parameters(), opt_cfg, cfg.steps)
     history = []
     t0 = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         idx = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
-        stats = sft_step(model, collate([examples[i] for i in idx], pad_id), opt, sched,
-                         opt_cfg.grad_clip, cfg.autocast_dtype)
+        stats = engine.train_batch([examples[i] for i in idx], sft_token_loss)
         stats["time/elapsed_s"] = time.perf_counter() - t0
         history.append(stats)
         if on_step is not None:

@@ -21,13 +21,16 @@ from train_helpers import digit_reward
 
 from asyncrl import Trainer
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
-from asyncrl.inference.engine import EngineSettings
-from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+from asyncrl.inference.config import EngineSettings
+from asyncrl.inference.remote import RemoteInferenceEngine
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.launch.local_servers import LocalServers
 from asyncrl.launch.server_commands import server_command
 from asyncrl.models.export import INDEX_FILE, save_weights_dir, untied_copy
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
-from asyncrl.train.engine import HFTrainEngine, TrainEngineConfig
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.checkpoint import load_state
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_vllm_server import KEY, PROMPT, hf_logprobs  # noqa: E402
@@ -52,8 +55,8 @@ def trained(tmp_path_factory):
     cfg = small_config(base, run, total_steps=1, checkpoint_every=1, checkpoint_shard_size=SHARD,
                        **{"eval.every": 0})
     assert Trainer(cfg).train(workflow=digit_reward).steps == 1
-    trainer = HFTrainEngine.from_pretrained(base, TrainEngineConfig(trainable=False))
-    trainer.load(run / "checkpoints/step_000001/trainer")
+    trainer = HFTrainEngine.from_pretrained(base, trainable=False)
+    load_state(run / "checkpoints/step_000001/trainer", trainer.parallel, {"engine": trainer})
     return run / "checkpoints/step_000001/policy", trainer.model
 
 

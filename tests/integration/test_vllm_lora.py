@@ -28,14 +28,16 @@ import torch
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
 from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.inference.backends import make_backend
-from asyncrl.inference.engine import EngineSettings
-from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+from asyncrl.inference.config import EngineSettings
+from asyncrl.inference.remote import RemoteInferenceEngine
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_errors import RemoteEngineError, ServerCheckError
 from asyncrl.launch.local_servers import LocalServers
 from asyncrl.launch.server_commands import server_command
 from asyncrl.models.export import untied_copy
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pause_rounds import interrupt_with_update  # noqa: E402

@@ -27,13 +27,15 @@ from safetensors.torch import load_file
 
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
 from asyncrl.inference.backends import VLLMBackend
-from asyncrl.inference.engine import EngineSettings
-from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+from asyncrl.inference.config import EngineSettings
+from asyncrl.inference.remote import RemoteInferenceEngine
+from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_errors import ServerCheckError
 from asyncrl.launch.local_servers import LocalServers
 from asyncrl.launch.server_commands import server_command
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.export import save_weights_dir, untied_copy
 
 sys.path.insert(0, str(Path(__file__).parent))

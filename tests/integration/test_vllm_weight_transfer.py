@@ -22,11 +22,12 @@ import pytest
 from asyncrl.api import GenerationConfig
 from asyncrl.inference.backend_protocol import GroupJoin, HttpCall, WireTensor
 from asyncrl.inference.backends import VLLMBackend
-from asyncrl.inference.engine import EngineSettings
+from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.local_servers import LocalServers
 from asyncrl.launch.server_commands import free_port, server_command
 from asyncrl.models.export import untied_copy
-from asyncrl.models.tiny import TinyModelConfig, build_tiny_model
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_venv import ensure_vllm_python  # noqa: E402
@@ -82,7 +83,8 @@ def test_the_remote_client_reads_each_servers_ranks(server):
     """The weight group gives a vLLM server as many ranks as it reports (its workers)."""
     import asyncio
 
-    from asyncrl.inference.remote import RemoteEngineConfig, RemoteInferenceEngine
+    from asyncrl.inference.remote import RemoteInferenceEngine
+    from asyncrl.inference.config import RemoteEngineConfig
 
     engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=[server], backend="vllm",
                                                       api_key=KEY, ranks_per_server=3))

@@ -1,0 +1,27 @@
+"""The configuration of `asyncrl sft` and of `asyncrl train`'s warm start (`warm_start:`)."""
+
+from __future__ import annotations
+
+import pydantic
+
+from asyncrl.config import Config
+from asyncrl.data.arithmetic import ArithmeticTaskConfig
+from asyncrl.data.dataset import DatasetConfig
+from asyncrl.models.config import ModelConfig, TinyModelConfig
+from asyncrl.train.config import OptimizerConfig, SFTConfig, TrainEngineConfig
+
+
+class SFTRunConfig(Config):
+    model: ModelConfig = ModelConfig()
+    tiny: TinyModelConfig = TinyModelConfig()  # used when model.path is None
+    data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)
+    # the engine the steps run on (micro-batching, precision, optimizer; FSDP2 under torchrun);
+    # its LR schedule's horizon is sft.steps. One micro-batch holds a whole default batch.
+    train: TrainEngineConfig = TrainEngineConfig(
+        max_tokens_per_mb=4096,
+        optimizer=OptimizerConfig(lr=2e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.1))
+    # The embedded preset: long enough to learn 2-digit addition (a clean run reaches ~95%
+    # greedy), but from demonstrations where 60% of answers are off by one, so the model starts
+    # RL knowing the arithmetic and mostly answering with the wrong habit (configs/sft_tiny.yaml).
+    sft: SFTConfig = SFTConfig(steps=600, label_noise=0.6)
+    output_dir: str | None = None  # None: a cache directory keyed by this config

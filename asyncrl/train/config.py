@@ -1,0 +1,258 @@
+"""The train package's settings: the engines (policy, critic), the optimizer, LoRA, the PPO actor
+and its loss, the advantage estimators, the proximal policy, SFT.
+
+Plain pydantic, no torch: a run config (and `asyncrl train --print-config`) loads without
+importing the code these settings configure. What a run derives (the LR schedule's horizon from
+`total_steps`, the trainer's temperature from the sampler's) is not a setting here: the job
+passes it to the engine it builds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+
+from asyncrl.config import Config
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+KLKind = Literal["k1", "k2", "k3"]
+Estimator = Literal["grpo", "rloo", "drgrpo", "reinforce_pp", "gae"]
+TruncationMode = Literal["keep", "mask_loss", "zero_reward"]
+ProximalSource = Literal["recompute", "loglinear", "behaviour"]
+
+# every linear projection of a Llama/Qwen2 decoder layer (attention and MLP); QLoRA's choice
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj")
+# adapting these breaks the tie of the embedding and the output head, and the engines merge
+# Linear layers of the decoder only
+REFUSED_LORA_TARGETS = ("embed_tokens", "lm_head")
+
+
+class OptimizerConfig(Config):
+    lr: float = pydantic.Field(1e-3, gt=0.0, le=1.0)  # AdamW peak learning rate
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW moment decay rates
+    eps: float = pydantic.Field(1e-8, gt=0.0)  # AdamW denominator epsilon
+    weight_decay: float = pydantic.Field(0.0, ge=0.0)  # AdamW decoupled weight decay
+    warmup_steps: int = pydantic.Field(0, ge=0)  # linear warm-up steps from 0 to lr
+    schedule: Literal["constant", "linear", "cosine"] = "constant"  # the learning rate after warm-up
+    # linear/cosine decay ends at lr * this
+    min_lr_ratio: float = pydantic.Field(0.0, ge=0.0, le=1.0)
+    # max global gradient norm; None: no clipping
+    grad_clip: float | None = pydantic.Field(1.0, gt=0.0)
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas={list(v)} must each be in [0, 1)")
+        return v
+
+
+class LoraConfig(Config):
+    """`train.lora`: None (the default) trains every weight; any field set turns LoRA on
+    (`train.lora.r=8`), `enabled: false` turns it off again."""
+
+    enabled: bool = True
+    r: int = pydantic.Field(8, ge=1, le=1024)
+    alpha: float = pydantic.Field(16.0, gt=0.0)  # the update is scaled by alpha / r
+    dropout: float = pydantic.Field(0.0, ge=0.0, lt=1.0)  # on the LoRA input, training only
+    target_modules: list[str] = list(DEFAULT_LORA_TARGETS)  # module names (suffixes), as PEFT takes
+
+    @pydantic.field_validator("target_modules")
+    @classmethod
+    def _linear_decoder_modules(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError(f"target_modules=[] is empty; allowed: module names such as "
+                             f"{list(DEFAULT_LORA_TARGETS)}")
+        bad = [m for m in value if any(r in m for r in REFUSED_LORA_TARGETS)]
+        if bad:
+            raise ValueError(f"target_modules={value} contains {bad}; allowed: the decoder's "
+                             f"linear layers, e.g. {list(DEFAULT_LORA_TARGETS)} (not "
+                             f"{list(REFUSED_LORA_TARGETS)})")
+        return value
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
+def lora_enabled(cfg: LoraConfig | None) -> bool:
+    return cfg is not None and cfg.enabled
+
+
+class TrainEngineConfig(Config):
+    """How a model trains: micro-batching, attention layout, precision, device, optimizer."""
+
+    # micro-batch size in tokens (sequences are packed)
+    max_tokens_per_mb: int = pydantic.Field(1024, ge=1)
+    # How a micro-batch's samples reach the model. "packed": one row with restarting
+    # position_ids (no padding; flash-attention derives varlen offsets from them, but SDPA and
+    # eager attend it through a dense N x N block-diagonal mask). "padded": k right-padded rows
+    # with an attention mask (k * L^2 attention, some padding). "auto": packed when the model
+    # runs a flash-attention kernel, else padded.
+    attention_layout: Literal["auto", "packed", "padded"] = "auto"
+    # Padded layout: samples of a micro-batch with the same prompt (a GRPO group) run it once;
+    # their continuations attend to it through a KV cache, gradients flow into it from all of
+    # them. Same logprobs and gradients, 2.3x the tokens/s of "padded" on the main job (bench_train
+    # --task grpo). Not used with
+    # gradient checkpointing (which drops the cache), the packed layout, or FSDP.
+    share_prefixes: bool = True
+    optimizer: OptimizerConfig = OptimizerConfig()
+    # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype.
+    # Under FSDP bf16 also gathers the weights in bf16 (fsdp.mixed_precision).
+    autocast_dtype: Literal["none", "bfloat16"] = "none"
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
+    device: str | None = pydantic.Field(None, description="None = cuda if available, else cpu")
+
+
+class PolicyTrainConfig(TrainEngineConfig):
+    """The policy's engine (`train:`): TrainEngineConfig plus LoRA."""
+
+    # LoRA (train/lora.py): None trains every weight; set, only the adapter trains and only the
+    # adapter is pushed to the engines
+    lora: LoraConfig | None = None
+
+
+class CriticConfig(TrainEngineConfig):
+    """The critic of `actor.advantage.estimator: gae` (`critic:`): a value head on the policy's
+    body, trained alongside the policy and checkpointed with the run."""
+
+    # the value update is clipped around the values the critic had when the batch arrived;
+    # None: no clip
+    value_eps_clip: float | None = pydantic.Field(0.2, gt=0.0)
+
+
+class PPOLossConfig(Config):
+    # PPO clip range of the policy ratio: [1 - eps, 1 + eps]
+    eps_clip: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
+    # DAPO clip-higher: a wider upper bound lets low-probability tokens grow (keeps entropy up).
+    eps_clip_higher: float | None = pydantic.Field(None, gt=0.0)
+    # Dual clip: bounds the loss of a negative-advantage token whose ratio has exploded.
+    c_clip: float | None = pydantic.Field(None, gt=1.0)
+    # Bound on w = pi_prox / pi_behav (staleness and sampler mismatch, see corrections.py);
+    # None trusts the raw weight. cap: truncated IS; mask: masked IS; icepop: two-sided masking
+    # (also below behav_imp_weight_floor, default 1 / cap).
+    behav_imp_weight_cap: float | None = pydantic.Field(None, gt=1.0)
+    # how the bound on pi_prox / pi_behav is applied (see above)
+    behav_imp_weight_mode: Literal["cap", "mask", "icepop"] = "cap"
+    # icepop: weights below this are masked (None: 1 / cap)
+    behav_imp_weight_floor: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
+    # token: one weight per token; sequence: per sequence (geometric mean); None: ratio_level's
+    behav_imp_weight_level: Literal["token", "sequence"] | None = None
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE (corrections.py)
+    policy_objective: Literal["ppo", "cispo"] = "ppo"
+    loss_agg: LossAgg = "token_mean"  # how token losses become one number (see aggregation.py)
+    entropy_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the entropy bonus; 0 off
+    kl_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the KL to the reference policy; 0 off
+    kl_kind: KLKind = "k3"  # estimator of the per-token KL
+    # "reward": the trainer subtracts kl_coef * KL from token rewards (regularizers.kl_reward)
+    # before advantages; "loss": ppo_actor_loss adds kl_coef * KL with gradient.
+    kl_as: Literal["reward", "loss"] = "loss"
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher
+
+    @property
+    def weight_level(self) -> str:
+        return self.behav_imp_weight_level or self.ratio_level
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> PPOLossConfig:
+        if self.behav_imp_weight_mode == "icepop" and self.behav_imp_weight_cap is None:
+            raise ValueError("behav_imp_weight_mode='icepop' needs behav_imp_weight_cap (the upper "
+                             "bound; the lower is behav_imp_weight_floor, default 1 / cap)")
+        if self.behav_imp_weight_floor is not None and self.behav_imp_weight_mode != "icepop":
+            raise ValueError(f"behav_imp_weight_floor={self.behav_imp_weight_floor} applies to "
+                             "behav_imp_weight_mode='icepop' only")
+        if self.policy_objective == "cispo" and (self.ratio_level != "token" or self.c_clip):
+            raise ValueError("policy_objective='cispo' clips a per-token weight: it takes "
+                             "ratio_level='token' and no c_clip")
+        return self
+
+
+class AdvantageConfig(Config):
+    estimator: Estimator = "grpo"  # how advantages are computed from rewards (gae: with the critic)
+    std_eps: float = pydantic.Field(1e-6, gt=0.0)  # added to the group's reward std before dividing
+    gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
+    lam: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
+    # rewards become clip((r - reward_bias) * reward_scale, -reward_clip, reward_clip)
+    reward_scale: float = pydantic.Field(1.0, gt=0.0)
+    reward_bias: float = 0.0  # subtracted from every reward first
+    # None: no clipping
+    reward_clip: float | None = pydantic.Field(None, gt=0.0)
+    # DAPO soft overlong punishment; None disables. max_len is the generation limit (new tokens).
+    overlong_buffer_len: int | None = pydantic.Field(None, ge=1)
+    # the generation limit the soft penalty counts back from
+    overlong_max_len: int | None = pydantic.Field(None, ge=1)
+    # the penalty at max_len, growing linearly over the buffer
+    overlong_penalty_factor: float = pydantic.Field(1.0, ge=0.0)
+    # a completion cut at max_new_tokens: kept, its reward set to 0, or its loss masked
+    truncated: TruncationMode = "keep"
+
+    @pydantic.model_validator(mode="after")
+    def _check_overlong(self) -> AdvantageConfig:
+        if self.overlong_buffer_len is None:
+            return self
+        if self.overlong_max_len is None:
+            raise ValueError(
+                f"overlong_buffer_len={self.overlong_buffer_len} needs overlong_max_len "
+                "(the generation limit in tokens)"
+            )
+        if self.overlong_buffer_len > self.overlong_max_len:
+            raise ValueError(
+                f"overlong_buffer_len={self.overlong_buffer_len} is out of range; "
+                f"allowed [1, overlong_max_len={self.overlong_max_len}]"
+            )
+        return self
+
+
+class ProximalConfig(Config):
+    # the proximal policy's logprobs: a forward pass (recompute), interpolated between behaviour and
+    # current (loglinear), or the behaviour's
+    proximal_logprobs: ProximalSource = "recompute"
+
+    @property
+    def needs_forward_pass(self) -> bool:
+        """Whether the train engine must run the extra pre-update forward pass."""
+        return self.proximal_logprobs == "recompute"
+
+
+class PPOActorConfig(Config):
+    ppo: PPOLossConfig = PPOLossConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    proximal: ProximalConfig = ProximalConfig()
+    # Optimizer steps per batch, each on a slice of whole groups; the proximal policy and the
+    # advantages stay those of the start of the batch, so from the second step on the PPO clip
+    # bounds how far the policy moves. The policy version still advances by one per batch.
+    ppo_n_minibatches: int = pydantic.Field(1, ge=1)
+    # The policy loss: "ppo" (losses.PPOLoss with `ppo` above) or a user's `package.module:obj`
+    # implementing api.PolicyLoss; a class (or factory) there is called with `loss_kwargs`.
+    loss: str = pydantic.Field("ppo", description="ppo | package.module:LossClassOrFunction")
+    loss_kwargs: dict = {}  # keyword arguments of a user's loss class or factory
+
+    @pydantic.model_validator(mode="after")
+    def _kwargs_for_a_user_loss(self) -> PPOActorConfig:
+        if self.loss == "ppo" and self.loss_kwargs:
+            raise ValueError(f"actor.loss_kwargs={self.loss_kwargs} is for a user loss "
+                             "(actor.loss: package.module:Loss); the built-in 'ppo' loss is set "
+                             "with actor.ppo.*")
+        return self
+
+
+class SFTConfig(Config):
+    steps: int = pydantic.Field(300, ge=1)  # optimizer steps
+    batch_size: int = pydantic.Field(64, ge=1)  # rows per step
+    eval_every: int = pydantic.Field(0, ge=0, description="0 = evaluate only at the end")
+    eval_size: int = pydantic.Field(256, ge=1)  # held-out rows of the greedy accuracy eval
+    eval_max_new_tokens: int = pydantic.Field(16, ge=1)  # generation limit of the eval
+    log_every: int = pydantic.Field(10, ge=1)  # steps between log lines
+    seed: int = 0  # row order and label noise
+    # Systematically biased demonstrations: this fraction of training rows (chosen by a seeded
+    # hash of the row id) shows integer answers shifted by `label_noise_offset`. A model trained
+    # on them knows the arithmetic but has learned a wrong habit, which a verifier-driven RL
+    # run can correct; 0 trains on clean labels. Held-out evaluation always uses true answers.
+    label_noise: float = pydantic.Field(0.0, ge=0.0, le=1.0)
+    label_noise_offset: int = 1  # how far the noisy answers are shifted
