@@ -28,11 +28,10 @@ _LAZY = {
     "run_eval_job": "asyncrl.launch.evaluate",
     "run_sft_job": "asyncrl.launch.sft",
     "SFTRunConfig": "asyncrl.launch.sft_config",
-    "open_reward": "asyncrl.reward.registry",
+    "open_reward": "asyncrl.reward.config",
     "RewardPool": "asyncrl.reward.pool",
-    "load_dataset_from_config": "asyncrl.data.dataset",
     "PPOLoss": "asyncrl.train.losses",
-    "PPOLossConfig": "asyncrl.train.losses",
+    "PPOLossConfig": "asyncrl.train.config",
 }
 _API = ("EpisodeRejected", "EvalReport", "Evaluator", "GenerationConfig", "InferenceEngine",
         "LossInputs", "ModelRequest", "ModelResponse", "PolicyLoss", "ReportsMetrics",

@@ -89,7 +89,7 @@ def _eval_inference(ns: argparse.Namespace):
 
     if ns.address:
         return InferenceLaunchConfig.from_dict(
-            {"mode": "remote", "remote": {"addresses": ns.address, "backend": ns.backend}},
+            {"mode": "remote", "backend": ns.backend, "remote": {"addresses": ns.address}},
             "options")
     return InferenceLaunchConfig.from_dict(
         {"mode": "local", "backend": ns.backend, "server_python": ns.server_python}, "options")
@@ -102,9 +102,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
     bad = [a for a in overrides if "=" not in a]
     if bad:
         raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
-    if ns.ray:
-        overrides = [*overrides, "launcher=ray",
-                     *([f"ray.address={ns.ray}"] if ns.ray != "local" else [])]
+    if ns.ray:  # first, so that launcher.* overrides refine it
+        address = "null" if ns.ray == "local" else ns.ray
+        overrides = [f"launcher={{kind: ray, address: '{address}'}}" if address != "null"
+                     else "launcher={kind: ray}", *overrides]
     if ns.resume:
         if path is not None:
             raise UserError(f"--resume {ns.resume} uses the run's saved config.yaml; drop {path!r} "
@@ -209,6 +210,8 @@ def _add_serve_parser(sub: Any) -> None:
 
 
 def _add_eval_parser(sub: Any) -> None:
+    from asyncrl.inference.backends import BACKENDS  # light: the choices come from the registry
+
     ev = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint")
     ev.add_argument("checkpoint", metavar="CHECKPOINT",
                     help="HF model dir, checkpoint dir (policy/), run dir (checkpoints/) or "
@@ -234,8 +237,7 @@ def _add_eval_parser(sub: Any) -> None:
                          "('{kind: judge, base_url: ..., model: ...}')")
     ev.add_argument("--json", default=None, metavar="OUT",
                     help="write the summary and per-problem records here")
-    ev.add_argument("--backend", default="builtin",
-                    choices=["builtin", "asyncrl", "vllm", "sglang"],
+    ev.add_argument("--backend", default="builtin", choices=["builtin", *BACKENDS.kinds()],
                     help="builtin: the engine in this process; otherwise servers of this kind, "
                          "started here (or --address)")
     ev.add_argument("--address", action="append", default=[], metavar="URL",
@@ -263,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ray", metavar="ADDRESS", default=None,
                     help="run on a Ray cluster (launcher=ray): 'auto' (the cluster this machine "
                          "joined), HOST:PORT of its head, or 'local' (a Ray started for this "
-                         "job); see the ray.* settings")
+                         "job); see the launcher.* settings of kind ray")
     tr.set_defaults(func=cmd_train)
     _add_serve_parser(sub)
     _add_eval_parser(sub)

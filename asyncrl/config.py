@@ -27,6 +27,14 @@ class ConfigError(UserError):
     """A configuration the user must fix; the message is one line per problem, no traceback."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SpellOut:
+    """Field metadata: how a raw value of the field is written out in full before defaults are
+    laid under it (a plugin kind's shorthands: `reward: math` is `{kind: math}`)."""
+
+    fn: typing.Callable[[Any], Any]
+
+
 class Config(pydantic.BaseModel):
     """Base of every component config: unknown keys are errors, assignments are re-validated."""
 
@@ -42,7 +50,7 @@ class Config(pydantic.BaseModel):
     def from_dict(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
         """Validate `data` laid over this class's defaults, so `train: {optimizer: {lr: 1e-4}}`
         changes only the learning rate and keeps the other values the preset chose."""
-        data = merge_over_defaults(cls, cls.shorthand(data))
+        data = merge_over_defaults(cls, spell_out(cls, cls.shorthand(data)))
         try:
             return cls.model_validate(data)
         except pydantic.ValidationError as err:
@@ -82,6 +90,26 @@ def _merge(base: Any, over: Any) -> Any:
     out = dict(base)
     for key, value in over.items():
         out[key] = _merge(base[key], value) if key in base else value
+    return out
+
+
+def spell_out(cls: Any, data: Any) -> Any:
+    """`data` with every field that has `SpellOut` metadata written out, at any depth."""
+    if not isinstance(data, dict):
+        return data
+    fields = getattr(cls, "model_fields", {})
+    out = dict(data)
+    for name, value in data.items():
+        field = fields.get(name)
+        if field is None:
+            continue
+        spell = next((m for m in field.metadata if isinstance(m, SpellOut)), None)
+        if spell is not None:
+            out[name] = spell.fn(value)
+            continue
+        nested = _config_classes(field.annotation)
+        if len(nested) == 1:
+            out[name] = spell_out(nested[0], value)
     return out
 
 
@@ -192,6 +220,7 @@ def format_validation_error(
     cls: type[pydantic.BaseModel], err: pydantic.ValidationError, data: dict, source: str
 ) -> str:
     lines = []
+    head = f"{source}: " if source else ""
     for e in err.errors():
         raw_loc = tuple(e["loc"])
         loc, _ = _walk(cls, raw_loc)
@@ -199,17 +228,17 @@ def format_validation_error(
         if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             _, allowed = _walk(cls, raw_loc[:-1])
             hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-            msg = f"{source}: unknown key '{dotted}'"
+            msg = f"{head}unknown key '{dotted}'"
             msg += f"; did you mean '{hint[0]}'?" if hint else ""
             msg += f" (allowed: {', '.join(allowed)})" if allowed else ""
         elif e["type"] == "missing":
-            msg = f"{source}: missing required key '{dotted}'"
+            msg = f"{head}missing required key '{dotted}'"
         elif e["type"] == "value_error":  # our own checks already name the field and value
             where = f"{dotted}: " if dotted else ""
-            msg = f"{source}: {where}{e['msg'].removeprefix('Value error, ')}"
+            msg = f"{head}{where}{e['msg'].removeprefix('Value error, ')}"
         else:
             value = _value_at(data, loc)
             text = e["msg"].removeprefix("Value error, ")
-            msg = f"{source}: {dotted}={value!r}: {text}"
+            msg = f"{head}{dotted}={value!r}: {text}"
         lines.append(msg)
     return "\n".join(lines)

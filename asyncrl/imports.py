@@ -18,7 +18,7 @@ def import_object(path: str, what: str = "object") -> Any:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise UserError(f"{what} {path!r}: expected 'package.module:name'")
-    _importable_from_cwd(module_name)
+    importable_from_cwd(module_name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -29,7 +29,7 @@ def import_object(path: str, what: str = "object") -> Any:
         raise UserError(f"{what} {path!r}: module {module_name!r} has no {attr!r}") from err
 
 
-def _importable_from_cwd(module_name: str) -> None:
+def importable_from_cwd(module_name: str) -> None:
     """Let `examples.x.agent:Agent` resolve from the working directory, as `python -m` would,
     when launched through the `asyncrl` console script (whose sys.path lacks the cwd). Spawned
     subprocesses inherit sys.path, so they can unpickle the same objects."""

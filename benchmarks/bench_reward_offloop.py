@@ -27,7 +27,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from asyncrl.reward.call import call_rewards, inline
-from asyncrl.reward.registry import open_reward
+from asyncrl.reward.config import open_reward
 
 SLEEP_ENV = "BENCH_REWARD_SLEEP"  # --sleep, read by every copy of this module (worker processes)
 

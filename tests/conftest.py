@@ -107,13 +107,13 @@ def proxy(model_dir, one_thread):
         yield p
 
 
-def run_episodes(executor, rows, workflow, timeout=120.0):
+def run_episodes(executor, rows, timeout=120.0):
     """Every row once through `executor` (whose staleness budget must admit them all); the
     accepted trajectories, oldest first. A test helper: training consumes `prepare_batch`."""
     before = executor.stats()
     finished = lambda s: s["accepted"] + s["rejected"] + s["failed"]  # noqa: E731
     for row in rows:
-        executor.submit(row, workflow)
+        executor.submit(row)
     deadline = time.monotonic() + timeout
     while finished(executor.stats()) - finished(before) < len(rows):
         if time.monotonic() > deadline:

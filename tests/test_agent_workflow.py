@@ -39,8 +39,8 @@ def run_rows(engine, tokenizer, agent, rows=ROWS, **cfg):
     proxy_cfg = ProxyConfig(admin_key="admin", max_tokens_cap=128)
     workflow = AgentWorkflow(agent, ProxyServer(engine, tokenizer, proxy_cfg, context_length=256),
                              AgentConfig(**cfg))
-    with WorkflowExecutor(engine, RolloutConfig(batch_size=len(rows))) as ex:
-        trajs = run_episodes(ex, rows, workflow)
+    with WorkflowExecutor(engine, RolloutConfig(batch_size=len(rows)), workflow) as ex:
+        trajs = run_episodes(ex, rows)
         stats = ex.stats()
         ex.run(workflow.aclose())
     return trajs, stats, workflow
@@ -96,19 +96,24 @@ def test_raising_hanging_and_wrong_agents_are_rejected_with_reasons(engine, toke
 
 def test_blocked_subprocess_is_killed_and_the_pool_goes_on(engine, tokenizer, caplog):
     caplog.set_level(logging.WARNING, logger="asyncrl.rollout.executor")
-    proxy = ProxyServer(engine, tokenizer, ProxyConfig(admin_key="a"), context_length=256)
     cfg = AgentConfig(mode="subproc", subproc_max_workers=1, timeout_s=3.0)
-    blocked = AgentWorkflow(agents.BlockingAgent(), proxy, cfg)
-    fine = AgentWorkflow(agents.SyncEnvAgent(), proxy, cfg)
+
+    def proxy():
+        return ProxyServer(engine, tokenizer, ProxyConfig(admin_key="a"), context_length=256)
+
+    blocked = AgentWorkflow(agents.BlockingAgent(), proxy(), cfg)
+    fine = AgentWorkflow(agents.SyncEnvAgent(), proxy(), cfg)
     fine.runner._pool = blocked.runner.pool()  # one shared single-worker pool
-    with WorkflowExecutor(engine, RolloutConfig(batch_size=2)) as ex:
-        assert run_episodes(ex, ROWS[:1], blocked) == []
+    with WorkflowExecutor(engine, RolloutConfig(batch_size=1), blocked) as ex:
+        assert run_episodes(ex, ROWS[:1]) == []
         assert "timeout_s=3.0" in caplog.text
-        (traj,) = run_episodes(ex, ROWS[1:2], fine)  # the killed worker was replaced
+        ex.run(blocked.proxy.stop())
+    with WorkflowExecutor(engine, RolloutConfig(batch_size=1), fine) as ex:
+        (traj,) = run_episodes(ex, ROWS[1:2])  # the killed worker was replaced
         assert traj.samples[0].reward == 0.25
         blocked.runner.close_pool()
         fine.runner._pool = None
-        ex.run(proxy.stop())
+        ex.run(fine.proxy.stop())
 
 
 def test_agent_specs_and_results_are_checked():

@@ -9,12 +9,13 @@ ROOT = Path(__file__).parent.parent
 PKG = ROOT / "asyncrl"
 
 # what each top-level part of the package may import (besides itself); launch and cli: anything
-BASE = {"api", "errors", "config", "imports"}
+BASE = {"api", "errors", "config", "imports", "plugins"}
 ALLOWED = {
     "api": set(),
     "errors": set(),
     "config": {"errors"},
     "imports": {"errors"},
+    "plugins": {"config", "errors", "imports"},
     "models": BASE,
     "data": BASE | {"models"},
     "reward": BASE | {"models"},

@@ -286,15 +286,20 @@ async def _rlvr_reward(tok):
     assert tok.decode(out) == "2+3 is 5, not 4.</think>5<|im_end|>"  # the whole reply is trained
 
 
+GOT: dict = {}
+
+
+def chat_workflow(tokenizer, chat, gconfig):
+    """A factory a config names (`workflow: {path: test_chat_parsers:chat_workflow}`)."""
+    GOT.update(tokenizer=tokenizer, chat=chat)
+    return RLVRWorkflow(lambda t, d: 0.0, gconfig, tokenizer, chat=chat)
+
+
 def test_a_custom_workflow_factory_gets_the_model_chat_options(tok):
-    from asyncrl.launch.workflows import WorkflowContext, resolve_workflow
+    from asyncrl.launch.workflows import WorkflowContext
 
-    cfg = TrainRunConfig.load(None, ["model.reasoning_parser=qwen3"])
-    got = {}
-
-    def make(tokenizer, chat):
-        got.update(tokenizer=tokenizer, chat=chat)
-        return RLVRWorkflow(lambda t, d: 0.0, cfg.gconfig, tokenizer, chat=chat)
-
-    wf = resolve_workflow(make, WorkflowContext(cfg, tok, ScriptedEngine(tok, []), None))
-    assert got["chat"] is cfg.model and wf.chat.reasoning_parser == "qwen3"
+    cfg = TrainRunConfig.load(None, ["model.reasoning_parser=qwen3",
+                                     "workflow.path=test_chat_parsers:chat_workflow"])
+    ctx = WorkflowContext(tok, ScriptedEngine(tok, []), None, cfg.gconfig, cfg.model, cfg.eval)
+    wf = cfg.workflow.build(ctx)
+    assert GOT["chat"] is cfg.model and wf.chat.reasoning_parser == "qwen3"

@@ -215,7 +215,7 @@ def test_trainer_renders_with_model_options_and_rewards_the_answer(thinking_dir,
         "model.chat_template_kwargs": {"enable_thinking": thinking},
         "model.reasoning_parser": "qwen3", "total_steps": 1, "eval.every": 0,
         "rollout.dump_dir": str(tmp_path / "dump")})
-    assert Trainer(cfg).train(workflow=record_reward).steps == 1
+    assert Trainer(cfg).train(reward=record_reward).steps == 1
     records = [json.loads(line) for f in sorted((tmp_path / "dump").glob("*.jsonl"))
                for line in f.read_text().splitlines()]
     assert records and SEEN

@@ -44,7 +44,7 @@ def run(model_dir, tmp_path_factory):
     cfg = small_config(model_dir, out, total_steps=2, checkpoint_every=1,
                        checkpoint_shard_size=SHARD, **{"inference.weight_sync": "disk",
                                                        "inference.check_logprobs_every": 1})
-    result = Trainer(cfg).train(workflow=digit_reward)
+    result = Trainer(cfg).train(reward=digit_reward)
     assert result.steps == 2 and result.stopped_by == "total_steps"
     return out
 
@@ -59,7 +59,7 @@ def trainer_weights(run, model_dir):
     """The trainer's weights at step 2, from its own sharded state (DCP `trainer/`), loaded into
     the base model: independent of the exported policy/."""
     engine = HFTrainEngine.from_pretrained(model_dir, trainable=False)
-    load_state(run / "checkpoints/step_000002/trainer", engine.parallel, {"engine": engine})
+    load_state(run / "checkpoints/step_000002/state", engine.parallel, {"trainer": engine})
     return engine.model
 
 

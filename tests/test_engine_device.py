@@ -20,7 +20,7 @@ from asyncrl.inference.engine import resolve_device, resolve_dtype
 from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.llama import LlamaArgs
 from asyncrl.inference.model_runner import iter_safetensors
-from asyncrl.launch.devices import check_engine_placement, engine_dtype_name, resolve
+from asyncrl.launch.devices import check_engine_placement, resolve
 
 VOCAB = 128
 HAS_CUDA = torch.cuda.is_available()
@@ -108,8 +108,6 @@ def test_resolve_device_and_dtype(monkeypatch):
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cuda", 0)) == torch.float32
-    assert engine_dtype_name("auto", "cpu") == "float32"
-    assert engine_dtype_name("auto", "cuda") == "bfloat16"
     with pytest.raises(ValueError, match="device='tpu'"):
         resolve_device("tpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -24,7 +24,7 @@ from asyncrl.rollout.answer_eval import EvalConfig, evaluate, pass_at_k
 from asyncrl.launch.run_checkpoints import find_policy_dir
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.reward.registry import math_reward, open_reward
+from asyncrl.reward.config import open_reward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -284,7 +284,7 @@ def test_evaluate_names_the_problem_the_engine_refuses(engine, tokenizer):
 
 
 def test_math_reward_runs_math_verify_in_the_pool():
-    with math_reward() as reward:
+    with open_reward("math") as reward:
         assert asyncio.run(reward("so #### 1/2", {"answer": "0.5"})) == 1.0
         assert asyncio.run(reward("#### 3", {"answer": "0.5"})) == 0.0
 
@@ -354,7 +354,7 @@ def test_load_eval_rows_from_a_dataset_mapping(tmp_path):
                           f"question_field: q, answer_field: meta.gt, system_prompt: Be brief.}}")
     assert [(r["question"], r["answer"]) for r in rows] == [("a?", "2"), ("b?", "3")]
     assert rows[0]["messages"][0] == {"role": "system", "content": "Be brief."}
-    with pytest.raises(ConfigError, match="--data: kind='hff': unknown dataset kind; allowed:"):
+    with pytest.raises(ConfigError, match="--data: dataset kind='hff' is not known; allowed:"):
         load_eval_rows("{kind: hff, name: x}")
     with pytest.raises(UserError, match="malformed YAML"):
         load_eval_rows("{kind: hf, name: [x}")

@@ -28,7 +28,7 @@ def test_main_loop_five_steps_on_cuda(model_dir, tmp_path):
     cfg = small_config(model_dir, tmp_path / "run", total_steps=5,
                        **{"train.autocast_dtype": "bfloat16", "eval.every": 0})
     torch.cuda.reset_peak_memory_stats()
-    result = Trainer(cfg).train(workflow=digit_reward)
+    result = Trainer(cfg).train(reward=digit_reward)
     assert result.steps == 5 and result.stopped_by == "total_steps"
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "reward/mean" in m]
@@ -43,6 +43,7 @@ def test_nccl_push_of_the_05b_model_to_a_server(tmp_path):
     """Trainer (GPU 0) -> `asyncrl serve` (GPU 1) over NCCL: the served logprobs equal the
     trainer's after the push (bf16 tolerance 0.05, as in test_engine_device.py)."""
     from asyncrl.inference.config import RemoteEngineConfig
+    from asyncrl.launch.launchers import LocalLauncher
     from asyncrl.launch.rollout_engines import open_rollout_engines
     from asyncrl.launch.train_config import InferenceLaunchConfig
     from asyncrl.models.loading import load_causal_lm
@@ -68,7 +69,7 @@ def test_nccl_push_of_the_05b_model_to_a_server(tmp_path):
               f"first (forms the group) {first:.2f}s, second {time.perf_counter() - t0:.2f}s")
         await engines.engine.aclose()
 
-    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
+    with open_rollout_engines(cfg, model_dir, tmp_path / "logs", LocalLauncher()) as engines:
         asyncio.run(push(engines))
         assert isinstance(engines.engine.cfg, RemoteEngineConfig)
         import httpx

@@ -21,7 +21,7 @@ from asyncrl.cli import main
 from asyncrl.config import ConfigError
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.inference.config import EngineSettings
-from asyncrl.launch.server_commands import server_command
+from train_helpers import server_command
 from asyncrl.models.hub import looks_local
 from asyncrl.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_dir
 from asyncrl.models.config import ModelConfig

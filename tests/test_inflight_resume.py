@@ -9,6 +9,7 @@ a run with 64 episodes in flight and resumes it.
 
 import asyncio
 import json
+import pickle
 import threading
 
 import pytest
@@ -20,7 +21,6 @@ from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.rollout.executor import RolloutConfig, WorkflowExecutor
 from asyncrl.rollout.group import GroupedWorkflow
-from asyncrl.rollout.snapshot import RolloutSnapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N = 48
@@ -62,11 +62,12 @@ def test_suspended_episodes_continue_after_a_restart(model_dir, tmp_path):
     turns = TwoTurns()
     workflow = GroupedWorkflow(turns, 2)
     engine = _engine(model_dir, version=0, max_num_seqs=2)
-    with WorkflowExecutor(engine, cfg) as ex:
+    with WorkflowExecutor(engine, cfg, workflow) as ex:
         for i in range(64):
-            ex.submit({"id": i}, workflow)
+            ex.submit({"id": i})
         assert turns.first_turns.wait(60)  # some first turns done, many calls half-way
         snap = ex.suspend(engine.interrupt, timeout=30)
+        saved = ex.state_dict()  # what a checkpoint keeps of the executor
         counts = snap.counts()
         assert ex.stats()["running"] == 0 and ex.stats()["ready"] == 0
     engine.shutdown()
@@ -74,20 +75,22 @@ def test_suspended_episodes_continue_after_a_restart(model_dir, tmp_path):
           [s.episode_id for s in snap.suspended]
     assert len(ids) == len(set(ids)) == 64, counts  # nothing lost, nothing twice
     assert counts["suspended"] > 0 and counts["partial_calls"] > 0, counts
-    snap.save(tmp_path / "rollouts.pkl")
+    (tmp_path / "rollout.pkl").write_bytes(pickle.dumps(saved))  # as a checkpoint pickles it
 
-    # a restarted process: new engine (serving version 1), new executor, the snapshot loaded
-    snap = RolloutSnapshot.load(tmp_path / "rollouts.pkl")
+    # a restarted process: new engine (serving version 1), new executor, the state loaded
+    saved = pickle.loads((tmp_path / "rollout.pkl").read_bytes())
+    snap = saved["episodes"]
     partial = {s.episode_id: s.journal.partial for s in snap.suspended}
     engine = _engine(model_dir, version=1)
-    with WorkflowExecutor(engine, cfg, PolicyVersion(1)) as ex:
-        ex.restore(snap, workflow)
+    with WorkflowExecutor(engine, cfg, workflow, PolicyVersion(1)) as ex:
+        ex.load_state_dict(saved)
         trajs = ex.wait(64, timeout=120)
         stats = ex.stats()
     engine.shutdown()
     assert sorted(t.metadata["episode_id"] for t in trajs) == sorted(ids)  # each once
     assert stats["restored"] == {"consumed": 64}
-    assert stats["submitted"] == len(snap.pending)  # continued episodes were not resubmitted
+    # continued episodes were not submitted again; the pending rows were
+    assert stats["submitted"] == saved["staleness"]["submitted"] + len(snap.pending)
     assert stats["continued_calls"] >= counts["partial_calls"] and stats["replayed_calls"] > 0
     by_id = {t.metadata["episode_id"]: t for t in trajs}
     continued = 0
@@ -135,10 +138,9 @@ def test_stopped_run_with_64_in_flight_resumes_them(model_dir, tmp_path):
         workflow=EnvironmentStep())
     assert first.steps == 2
     state = json.loads((run / "checkpoints/step_000002/state.json").read_text())
-    kept = state["in_flight"]
+    kept = state["rollout"]["in_flight"]
     in_flight = kept["pending"] + kept["ready"] + kept["suspended"]
     assert in_flight >= 64 and kept["suspended"] > 0 and kept["ready"] > 0, kept
-    assert (run / "checkpoints/step_000002/rollouts.pkl").is_file()
 
     second = Trainer(small_config(model_dir, run, total_steps=5, **over), run_dir=run).train(
         workflow=EnvironmentStep(), resume=True)
@@ -153,7 +155,7 @@ def test_stopped_run_with_64_in_flight_resumes_them(model_dir, tmp_path):
                              "suspended", "restarted", "rejected", "failed", "accepted"}
     assert all(m["staleness/token_lag_max"] <= m["staleness/max"] <= 15 for m in rows)
     final = json.loads((run / "checkpoints/step_000005/state.json").read_text())
-    assert final["rollout"]["consumed"] == 5 * 4  # the staleness counters continued too
+    assert final["rollout"]["staleness"]["consumed"] == 5 * 4  # the counters continued too
 
 
 def test_interrupt_returns_partial_output_and_new_calls_return_at_once(model_dir):

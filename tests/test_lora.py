@@ -26,7 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from test_train_loop import metrics, small_config, torchrun_train
-from train_helpers import digit_reward
+from train_helpers import digit_reward, sharded_parts
 from transformers import AutoModelForCausalLM
 
 from asyncrl import Trainer
@@ -161,16 +161,16 @@ def check_lora_run(model_dir, run, steps):
 def test_lora_main_job_in_process_then_resume(model_dir, tmp_path):
     run = tmp_path / "run"
     cfg = small_config(model_dir, run, total_steps=2, checkpoint_every=1, **LORA)
-    assert Trainer(cfg).train(workflow=digit_reward).steps == 2
+    assert Trainer(cfg).train(reward=digit_reward).steps == 2
     ckpt = check_lora_run(model_dir, run, 2)
     # the trainer's sharded state holds Adam moments for the adapter's matrices only
-    keys = dcp.FileSystemReader(ckpt / "trainer").read_metadata().state_dict_metadata
-    moments = {k for k in keys if k.startswith("engine.optim.state.") and k.endswith("exp_avg")}
+    keys = dcp.FileSystemReader(ckpt / "state").read_metadata().state_dict_metadata
+    moments = {k for k in keys if k.startswith("trainer.optim.state.") and k.endswith("exp_avg")}
     assert len(moments) == 28 and all(".lora_" in k for k in moments)
     # resume: the engine starts from the base and is given the checkpoint's adapter first (the
     # canary at start-up would fail otherwise), then training continues the curve
     cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1, **LORA)
-    assert Trainer(cfg, run_dir=run).train(workflow=digit_reward, resume=True).steps == 4
+    assert Trainer(cfg, run_dir=run).train(reward=digit_reward, resume=True).steps == 4
     check_lora_run(model_dir, run, 4)
     records = [json.loads(line) for f in (run / "rollouts").glob("*.jsonl")
                for line in f.read_text().splitlines()]
@@ -184,7 +184,7 @@ def test_an_adapter_that_never_reaches_the_engine_fails_the_canary(model_dir, tm
     monkeypatch.setattr(AsyncLLMEngine, "_merge_adapter", lambda self, meta, weights: {})
     cfg = small_config(model_dir, tmp_path / "run", total_steps=2, **LORA)
     with pytest.raises(WeightCheckError, match="weight version 1"):
-        Trainer(cfg).train(workflow=digit_reward)
+        Trainer(cfg).train(reward=digit_reward)
 
 
 @pytest.mark.timeout(300)
@@ -194,7 +194,7 @@ def test_lora_main_job_through_an_asyncrl_serve_subprocess(model_dir, tmp_path, 
     cfg = small_config(model_dir, run, total_steps=3, **LORA,
                        **{"inference.mode": "local", "inference.weight_sync": sync,
                           "rollout.max_head_offpolicyness": 1})
-    assert Trainer(cfg).train(workflow=digit_reward).steps == 3
+    assert Trainer(cfg).train(reward=digit_reward).steps == 3
     check_lora_run(model_dir, run, 3)
     if sync == "disk":  # PEFT adapter directories, the last eta + 2 kept
         dirs = sorted(p.name for p in (run / "weights").iterdir())
@@ -216,7 +216,7 @@ def test_lora_under_fsdp_two_gloo_ranks_with_the_critic(model_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     check_lora_run(model_dir, run, 2)
     assert all(math.isfinite(m["critic/loss"]) for m in metrics(run) if "reward/mean" in m)
-    assert (run / "checkpoints/step_000002/critic").is_dir()
+    assert sharded_parts(run / "checkpoints/step_000002") == {"trainer", "critic"}
 
 
 @pytest.mark.parametrize("overrides, message", [

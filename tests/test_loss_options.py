@@ -230,7 +230,7 @@ OPTIONS = {
 def test_option_trains_through_the_trainer(model_dir, tmp_path, name):
     cfg = small_config(model_dir, tmp_path / name, **{"total_steps": 2, "eval.every": 0,
                                                        **OPTIONS[name]})
-    result = Trainer(cfg).train(workflow=digit_reward)
+    result = Trainer(cfg).train(reward=digit_reward)
     assert result.steps == 2
     import json
     rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -247,7 +247,7 @@ def test_option_trains_through_the_trainer(model_dir, tmp_path, name):
 def test_critic_is_checkpointed_and_resumed(model_dir, tmp_path, monkeypatch):
     run = tmp_path / "run"
     over = {"actor.advantage.estimator": "gae", "eval.every": 0, "checkpoint_every": 1}
-    Trainer(small_config(model_dir, run, total_steps=2, **over)).train(workflow=digit_reward)
+    Trainer(small_config(model_dir, run, total_steps=2, **over)).train(reward=digit_reward)
     saved = critic_weights(model_dir, run / "checkpoints/step_000002")
     assert "value_head.weight" in saved
     restored = {}
@@ -260,7 +260,7 @@ def test_critic_is_checkpointed_and_resumed(model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(HFTrainEngine, "load_state_dict", recording_load)
     resumed = Trainer(small_config(model_dir, run, total_steps=3, **over), run_dir=run)
-    assert resumed.train(workflow=digit_reward, resume=True).steps == 3
+    assert resumed.train(reward=digit_reward, resume=True).steps == 3
     assert set(restored) == set(saved)
     for name, tensor in saved.items():  # the resumed critic started from the saved one
         torch.testing.assert_close(restored[name], tensor)
@@ -271,7 +271,7 @@ def test_critic_is_checkpointed_and_resumed(model_dir, tmp_path, monkeypatch):
 def critic_weights(model_dir, ckpt) -> dict[str, torch.Tensor]:
     """The critic's weights in a run checkpoint, read into a fresh critic engine."""
     critic = load_critic(model_dir, CriticConfig(), "float32", 10)
-    load_state(ckpt / "critic", critic.parallel, {"engine": critic})
+    load_state(ckpt / "state", critic.parallel, {"critic": critic})
     return {k: v.detach().clone() for k, v in critic.model.state_dict().items()}
 
 
@@ -304,7 +304,7 @@ def test_every_run_logs_the_mismatch_and_plots_it(model_dir, tmp_path):
 
     cfg = small_config(model_dir, tmp_path / "run", **{"eval.every": 0,
                                                        "rollout.max_head_offpolicyness": 0})
-    Trainer(cfg).train(workflow=digit_reward)
+    Trainer(cfg).train(reward=digit_reward)
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "reward/mean" in m]
     # eta = 0: every token is fresh; the in-process engine (fp32, its own kernels) and the HF

@@ -21,13 +21,10 @@ from asyncrl.api import (
     WeightUpdateMeta,
 )
 from asyncrl.config import ConfigError
-from asyncrl.inference.backends import (
-    BackendReplyError,
-    Segment,
-    SGLangBackend,
-    VLLMBackend,
-    make_backend,
-)
+from asyncrl.inference.backend_protocol import BackendReplyError, Segment
+from asyncrl.inference.sglang_backend import SGLangBackend
+from asyncrl.inference.vllm_backend import VLLMBackend
+from train_helpers import make_backend, server_command
 from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
@@ -129,13 +126,11 @@ def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match="backoff_max_s"):
         RemoteEngineConfig.from_dict({"addresses": ["http://x"], "backoff_base_s": 2.0,
                                       "backoff_max_s": 1.0})
-    with pytest.raises(ValueError, match="backend='tgi'"):
+    with pytest.raises(ValueError, match="backend kind='tgi' is not known; allowed: asyncrl, vllm, sglang"):
         make_backend("tgi")
 
 
 def test_server_commands_carry_what_rl_needs():
-    from asyncrl.launch.server_commands import server_command
-
     v = server_command("vllm", "/m", python="/venv/bin/python", engine=EngineSettings(max_num_seqs=8), api_key="k")
     assert v.argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = " ".join(v.argv)
@@ -154,34 +149,35 @@ def test_inference_launch_config_refuses_what_cannot_run():
 
     assert C.from_dict({"mode": "local", "backend": "vllm"}).sync_kind == "disk"  # auto
     assert C.from_dict({"mode": "local"}).sync_kind == "tensors"
-    remote = {"addresses": ["http://x:1"], "backend": "sglang"}
-    assert C.from_dict({"mode": "remote", "remote": remote}).server_backend == "sglang"
-    with pytest.raises(ConfigError, match="weight_sync='tensors' is not supported by backend"):
+    remote = {"addresses": ["http://x:1"]}
+    assert C.from_dict({"mode": "remote", "backend": "sglang", "remote": remote}).sync_kind == \
+        "disk"  # what the backend declares: no HTTP tensor route
+    with pytest.raises(ConfigError, match="weight_sync='tensors' is not supported by backend "
+                                          "'vllm'; allowed: auto, disk, nccl"):
         C.from_dict({"mode": "local", "backend": "vllm", "weight_sync": "tensors"})
     with pytest.raises(ConfigError, match="needs inference.mode='local'"):
         C.from_dict({"backend": "vllm"})
-    with pytest.raises(ConfigError, match="set only that one"):
-        C.from_dict({"mode": "remote", "backend": "vllm", "remote": remote})
+    with pytest.raises(ConfigError, match="backend kind='tgi' is not known"):
+        C.from_dict({"mode": "remote", "backend": "tgi", "remote": remote})
     assert C.from_dict({"mode": "local", "weight_sync": "gloo"}).sync_kind == "gloo"
     with pytest.raises(ConfigError, match="weight_sync='nccl' needs servers"):
         C.from_dict({"weight_sync": "nccl"})
     with pytest.raises(ConfigError, match="'gloo' is not supported by backend 'vllm'.*nccl"):
         C.from_dict({"mode": "local", "backend": "vllm", "weight_sync": "gloo"})
-    from asyncrl.launch.server_commands import server_command
-
     vllm = server_command("vllm", "/m", weight_transfer=True).argv
     assert vllm[vllm.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 def test_nccl_sync_without_cuda_is_refused_at_start(tmp_path):
+    from asyncrl.launch.launchers import LocalLauncher
     from asyncrl.launch.rollout_engines import open_rollout_engines
     from asyncrl.launch.train_config import InferenceLaunchConfig as C
 
     cfg = C.from_dict({"mode": "remote", "weight_sync": "nccl",
                        "remote": {"addresses": ["http://127.0.0.1:9"]}})
     with pytest.raises(ValueError, match="needs CUDA in the trainer process.*allowed here: gloo"):
-        with open_rollout_engines(cfg, tmp_path, tmp_path / "logs"):
+        with open_rollout_engines(cfg, tmp_path, tmp_path / "logs", LocalLauncher()):
             pass
 
 
@@ -311,8 +307,7 @@ def test_sglang_request_and_reply_mapping():
 
 
 def test_unsupported_weight_updates_are_value_errors():
-    engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=["http://127.0.0.1:9"],
-                                                      backend="vllm"))
+    engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=["http://127.0.0.1:9"]), make_backend("vllm"))
     assert isinstance(engine, InferenceEngine)
 
     async def main():
@@ -345,7 +340,7 @@ def servers(model_dir):
 def make_engine(servers, **kw) -> RemoteInferenceEngine:
     cfg = {"addresses": [u for u, _ in servers], "api_key": KEY, "backoff_base_s": 0.05,
            "backoff_max_s": 0.2, **kw}
-    return RemoteInferenceEngine(RemoteEngineConfig.from_dict(cfg))
+    return RemoteInferenceEngine(RemoteEngineConfig.from_dict(cfg), make_backend("asyncrl"))
 
 
 def fixed_len(n: int, seed: int | None = None, greedy: bool = False) -> GenerationConfig:
@@ -405,7 +400,7 @@ def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_di
     metrics = asyncio.run(main())
     assert metrics["weight_check/tokens"] > 0
     assert metrics["weight_check/mean_abs_diff"] < 1e-4
-    wrong = RemoteInferenceEngine(RemoteEngineConfig(addresses=[servers[0][0]], backend="vllm"))
+    wrong = RemoteInferenceEngine(RemoteEngineConfig(addresses=[servers[0][0]]), make_backend("vllm"))
     with pytest.raises(ServerCheckError, match="vllm server check failed.*vLLM"):
         asyncio.run(wrong.check_servers())  # an asyncrl server is not a vLLM one
     engine.close()
@@ -692,7 +687,7 @@ def test_all_servers_down_fails_fast_naming_every_address():
     addresses = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     engine = RemoteInferenceEngine(RemoteEngineConfig(
         addresses=addresses, max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02,
-        connect_timeout_s=1.0))
+        connect_timeout_s=1.0), make_backend("asyncrl"))
     t0 = time.monotonic()
 
     async def main():

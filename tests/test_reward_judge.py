@@ -19,7 +19,7 @@ from asyncrl.launch.judge_engine import engine_judge, open_run_reward
 from asyncrl.reward.call import RewardError, call_reward
 from asyncrl.reward.judge import JudgeReplyError, JudgeReward, judge_messages, parse_score
 from asyncrl.reward.judge_config import JudgeRewardConfig
-from asyncrl.reward.registry import open_reward
+from asyncrl.reward.config import open_reward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

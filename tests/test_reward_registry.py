@@ -18,7 +18,7 @@ from asyncrl.config import ConfigError
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.reward.call import RewardError, call_reward, call_rewards, inline, is_inline
 from asyncrl.reward.config import reward_spec_from_cli
-from asyncrl.reward.registry import open_reward
+from asyncrl.reward.config import open_reward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_reward_offloop import with_heartbeat  # noqa: E402  (the benchmark's own meter)
@@ -145,8 +145,8 @@ def test_code_reward_by_name_reads_apps_style_input_output():
 # ---- specs -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec,words", [
-    ("nope", "unknown; allowed: exact, digits, math, code, judge"),
-    ("judge", "needs its settings"),
+    ("nope", "unknown; allowed: exact, digits, math, function, trl, code, judge"),
+    ("judge", "judge needs exactly one of base_url .* or model_path"),
     ({"kind": "judge", "base_url": "http://x/v1", "model": "m",
       "template": "{qestion} {completion}"},
      r"placeholders \['qestion'\] are unknown; allowed: \{question\}, \{answer\}, \{completion\}"),
@@ -160,9 +160,11 @@ def test_bad_reward_specs_fail_at_config_load_in_one_line(spec, words):
     assert "\n" not in str(err.value)
 
 
-def test_string_rewards_stay_as_written_and_eval_takes_inline_mappings(tmp_path):
-    assert TrainRunConfig.from_dict({"reward": "trl:reward_plugins:length_penalty"}).reward == \
-        "trl:reward_plugins:length_penalty"
+def test_string_rewards_are_shorthands_and_eval_takes_inline_mappings(tmp_path):
+    reward = TrainRunConfig.from_dict({"reward": "trl:reward_plugins:length_penalty"}).reward
+    assert (reward.kind, reward.functions) == ("trl", ["reward_plugins:length_penalty"])
+    reward = TrainRunConfig.from_dict({"reward": "reward_plugins:slow_reward"}).reward
+    assert (reward.kind, reward.path) == ("function", "reward_plugins:slow_reward")
     assert reward_spec_from_cli("{kind: code, tests_field: io}") == {"kind": "code",
                                                                      "tests_field": "io"}
     path = tmp_path / "judge.yaml"

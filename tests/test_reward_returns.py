@@ -41,7 +41,7 @@ def test_workflow_and_session_returns_agree_on_one_choice_turns(rewards, discoun
 
 
 def test_reward_modules_import_without_torch():
-    code = ("import sys, asyncrl.reward, asyncrl.reward.call, asyncrl.reward.registry, "
+    code = ("import sys, asyncrl.reward, asyncrl.reward.call, asyncrl.reward.config, "
             "asyncrl.reward.returns\n"
             "print(','.join(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -82,10 +82,10 @@ def train_loop(eta, steps=12, batch=8, train_seconds=0.03, seed=0, gen_mean=0.02
     cfg = RolloutConfig(batch_size=batch, max_concurrent_rollouts=32, max_head_offpolicyness=eta)
     lags, busy_samples, t0 = [], [], time.monotonic()
     policy = PolicyVersion()
-    with WorkflowExecutor(engine, cfg, policy) as ex:
+    with WorkflowExecutor(engine, cfg, OneShot(), policy) as ex:
         data = rows()
         for version in range(steps):
-            batch_trajs = ex.prepare_batch(data, OneShot(), timeout=60)
+            batch_trajs = ex.prepare_batch(data, timeout=60)
             assert len(batch_trajs) == batch
             lags += [version - t.metadata["start_version"] for t in batch_trajs]
             end = time.monotonic() + train_seconds  # the trainer's update
@@ -122,8 +122,8 @@ def test_async_keeps_the_engine_generating_while_the_trainer_trains():
 
 def test_failing_workflow_is_rejected_and_logged_not_fatal(caplog):
     cfg = RolloutConfig(batch_size=9, max_concurrent_rollouts=8)
-    with caplog.at_level(logging.WARNING), WorkflowExecutor(SlowEngine(), cfg) as ex:
-        out = run_episodes(ex, [{"id": i} for i in range(9)], Exploding())
+    with caplog.at_level(logging.WARNING), WorkflowExecutor(SlowEngine(), cfg, Exploding()) as ex:
+        out = run_episodes(ex, [{"id": i} for i in range(9)])
         assert len(out) == 6
         assert ex.stats()["failed"] == 3 and ex.stats()["accepted"] == 6
     assert "ZeroDivisionError" in caplog.text and "data id=" in caplog.text
@@ -133,19 +133,19 @@ def test_failing_workflow_is_rejected_and_logged_not_fatal(caplog):
 def test_accept_filter_drops_groups_and_prepare_batch_refills():
     cfg = RolloutConfig(batch_size=5, max_concurrent_rollouts=8)
     data = ({"id": i, "reward": i % 2} for i in range(1000))
-    with WorkflowExecutor(SlowEngine(), cfg) as ex:
-        got = ex.prepare_batch(data, OneShot(), should_accept=lambda t: t.rewards[0] > 0,
-                               timeout=30)
+    with WorkflowExecutor(SlowEngine(), cfg, OneShot(), accept=lambda t: t.rewards[0] > 0) as ex:
+        got = ex.prepare_batch(data, timeout=30)
         assert len(got) == 5 and all(t.rewards == [1.0] for t in got)
         assert ex.stats()["rejected"] >= 4
 
 
 def test_pause_starts_nothing_new_until_resume():
     engine = SlowEngine()
-    with WorkflowExecutor(engine, RolloutConfig(batch_size=4, max_concurrent_rollouts=8)) as ex:
+    with WorkflowExecutor(engine, RolloutConfig(batch_size=4, max_concurrent_rollouts=8),
+                          OneShot()) as ex:
         ex.pause()
         for i in range(4):
-            ex.submit({"id": i}, OneShot())
+            ex.submit({"id": i})
         time.sleep(0.2)
         assert ex.stats()["submitted"] == 0 and ex.stats()["pending"] == 4
         ex.resume()
@@ -153,15 +153,15 @@ def test_pause_starts_nothing_new_until_resume():
 
 
 def test_wait_times_out_with_stats():
-    with WorkflowExecutor(SlowEngine(), RolloutConfig(batch_size=2)) as ex:
+    with WorkflowExecutor(SlowEngine(), RolloutConfig(batch_size=2), OneShot()) as ex:
         with pytest.raises(TimeoutError, match="ready"):
             ex.wait(1, timeout=0.2)
 
 
 def test_trajectory_dump(tmp_path):
     cfg = RolloutConfig(batch_size=2, dump_dir=str(tmp_path / "dump"))
-    with WorkflowExecutor(SlowEngine(), cfg) as ex:
-        run_episodes(ex, [{"id": 1, "answer": "3"}, {"id": 2, "answer": "4"}], OneShot())
+    with WorkflowExecutor(SlowEngine(), cfg, OneShot()) as ex:
+        run_episodes(ex, [{"id": 1, "answer": "3"}, {"id": 2, "answer": "4"}])
     lines = (tmp_path / "dump" / "v000000.jsonl").read_text().splitlines()
     recs = sorted((json.loads(x) for x in lines), key=lambda r: r["id"])
     assert [r["answer"] for r in recs] == ["3", "4"]

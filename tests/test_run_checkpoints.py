@@ -1,11 +1,19 @@
-"""The checkpoint layout's lookups (asyncrl.launch.run_checkpoints), without training anything."""
+"""The checkpoint layout's lookups (asyncrl.launch.run_checkpoints), and the run checkpointer
+saving and restoring every registered part through its state_dict / load_state_dict."""
+
+import json
 
 import pytest
+import torch
 
 from asyncrl.errors import UserError
+from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.run_checkpoints import (
     LATEST,
-    STATE,
+    SUMMARY,
+    LoopState,
+    PolicyExport,
+    RunCheckpointer,
     _prune,
     latest_checkpoint,
     latest_step_dir,
@@ -18,7 +26,7 @@ def make_step(run, step, complete=True):
     path = step_dir(run, step)
     path.mkdir(parents=True)
     if complete:
-        (path / STATE).write_text("{}")
+        (path / SUMMARY).write_text("{}")
     return path
 
 
@@ -58,3 +66,42 @@ def test_latest_step_dir_for_eval_is_strict_about_latest(tmp_path):
     (checkpoints / LATEST).write_text("")
     with pytest.raises(UserError, match="names '', which is not a directory"):
         latest_step_dir(checkpoints)
+
+
+def test_every_registered_part_is_saved_and_restored(tmp_path):
+    """A policy engine (sharded part), the loop's counters and the data stream (plain parts),
+    registered once: `save` writes them with the policy export, `load` puts them back into
+    fresh parts, and `latest` names the checkpoint."""
+    from asyncrl.models.loading import load_causal_lm, load_tokenizer
+    from asyncrl.models.tiny import build_tiny_model
+    from conftest import TINY, make_samples
+    from asyncrl.train.engine import HFTrainEngine, sft_token_loss
+
+    model_dir = build_tiny_model(TINY, tmp_path / "tiny")
+    tok = load_tokenizer(model_dir)
+
+    def parts():
+        engine = HFTrainEngine(load_causal_lm(model_dir))
+        stream = DataStream([{"id": i} for i in range(5)], seed=1)
+        return engine, LoopState(), stream
+
+    engine, loop, stream = parts()
+    engine.train_batch(make_samples([6, 9]), sft_token_loss)
+    engine.version.advance()
+    loop.step, loop.train_seconds = 1, 2.5
+    [next(stream) for _ in range(3)]
+    saver = RunCheckpointer(tmp_path / "run", engine.parallel, {"trainer": engine},
+                            {"loop": loop, "data": stream}, PolicyExport(engine, tok))
+    ckpt = saver.save(1)
+    assert (ckpt / "policy" / "config.json").is_file()
+    assert json.loads((ckpt / SUMMARY).read_text())["data"] == {"position": 3}
+    assert latest_checkpoint(tmp_path / "run") == ckpt
+
+    engine2, loop2, stream2 = parts()
+    RunCheckpointer(tmp_path / "run", engine2.parallel, {"trainer": engine2},
+                    {"loop": loop2, "data": stream2}).load(ckpt)
+    assert (loop2.step, loop2.train_seconds, stream2.position) == (1, 2.5, 3)
+    assert engine2.version.value == 1 and engine2.step == 1
+    for a, b in zip(engine.model.parameters(), engine2.model.parameters()):
+        assert torch.equal(a, b)
+    assert next(stream2) == next(stream)  # the stream goes on where it stopped

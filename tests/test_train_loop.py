@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from train_helpers import digit_reward, processes_mentioning
+from train_helpers import digit_reward, processes_mentioning, sharded_parts
 
 from asyncrl import Trainer
 from asyncrl.config import ConfigError
@@ -62,7 +62,7 @@ def test_short_loop_through_two_http_servers(model_dir, tmp_path):
     cfg = small_config(model_dir, tmp_path / "run", **{"inference.mode": "local",
                                                        "inference.num_servers": 2,
                                                        "inference.weight_sync": "gloo"})
-    result = Trainer(cfg).train(workflow=digit_reward)
+    result = Trainer(cfg).train(reward=digit_reward)
     assert result.steps == 3 and result.stopped_by == "total_steps"
     rows = [m for m in metrics(tmp_path / "run") if "reward/mean" in m]
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -89,25 +89,25 @@ def test_short_loop_through_two_http_servers(model_dir, tmp_path):
 def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     run = tmp_path / "run"
     first = Trainer(small_config(model_dir, run, total_steps=2, checkpoint_every=1,
-                                 **{"inference.weight_sync": "disk"})).train(workflow=digit_reward)
+                                 **{"inference.weight_sync": "disk"})).train(reward=digit_reward)
     assert first.steps == 2
     # disk sync: each version written as a HF dir, only the newest two kept
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v1", "v2"]
     # the resumed part also runs the KL-to-reference path and pass@k evals
     cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1,
                        **{"actor.ppo.kl_coef": 0.05, "eval.pass_k": [2]})
-    second = Trainer(cfg, run_dir=run).train(workflow=digit_reward, resume=True)
+    second = Trainer(cfg, run_dir=run).train(reward=digit_reward, resume=True)
     assert second.steps == 4
     late = [m for m in metrics(run) if m["step"] > 2]
     assert any("actor/kl_ref" in m for m in late) and any("eval/pass@2" in m for m in late)
     steps = [m["step"] for m in metrics(run) if "reward/mean" in m]
     assert steps == [1, 2, 3, 4]
     state = json.loads((run / "checkpoints/step_000004/state.json").read_text())
-    assert state["step"] == 4 and state["data_position"] > 0
+    assert state["loop"]["step"] == 4 and state["data"]["position"] > 0
     # the staleness counters continued across the resume: 4 batches of 4 consumed in all
-    assert state["rollout"]["consumed"] == 16
+    assert state["rollout"]["staleness"]["consumed"] == 16
     trainer = HFTrainEngine.from_pretrained(model_dir, trainable=False)
-    load_state(run / "checkpoints/step_000004/trainer", trainer.parallel, {"engine": trainer})
+    load_state(run / "checkpoints/step_000004/state", trainer.parallel, {"trainer": trainer})
     assert trainer.version.value == 4  # the trainer's engine owns the version
     elapsed = [m["time/elapsed_s"] for m in metrics(run) if "reward/mean" in m]
     assert elapsed == sorted(elapsed)  # the time axis continues across the resume
@@ -213,7 +213,7 @@ def test_example_configs_validate_and_multi_turn_runs(model_dir, tmp_path):
         "max_train_seconds=null", "gconfig.n_samples=2", "gconfig.max_new_tokens=4",
         "rollout.batch_size=2", "rollout.max_concurrent_rollouts=4", "filter_uniform_groups=false",
         "eval.every=0", "logging.tensorboard=false", "inference.engine.max_num_seqs=16"])
-    result = Trainer(cfg).train(workflow=digit_reward)
+    result = Trainer(cfg).train(reward=digit_reward)
     assert result.steps == 2
     rows = [m for m in metrics(tmp_path / "mt") if "reward/mean" in m]
     assert [m["batch/samples"] for m in rows] == [4.0, 4.0]  # 2 groups x 2 episodes
@@ -245,8 +245,8 @@ def test_torchrun_two_trainer_ranks(model_dir, tmp_path, estimator):
     before = load_file(str(Path(model_dir) / "model.safetensors"))
     after = load_file(str(run / "checkpoints/step_000002/policy/model.safetensors"))
     assert any(float((after[k] - before[k]).abs().max()) > 0 for k in before)
-    assert (run / "checkpoints/step_000002/trainer").is_dir()
-    assert (run / "checkpoints/step_000002/critic").is_dir() == (estimator == "gae")
+    parts = sharded_parts(run / "checkpoints/step_000002")
+    assert parts == ({"trainer", "critic"} if estimator == "gae" else {"trainer"})
     if estimator == "gae":
         assert all(math.isfinite(m["critic/loss"]) for m in rows)
     assert out.stdout.count("run_dir=") == 1  # only rank 0 reports

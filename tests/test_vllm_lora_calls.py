@@ -10,7 +10,7 @@ import pytest
 from asyncrl.api import GenerationConfig
 from asyncrl.inference.backend_protocol import HttpCall, LoraServing
 from asyncrl.inference.vllm_backend import VLLMBackend, lora_name, lora_verdict
-from asyncrl.launch.server_commands import server_command
+from train_helpers import server_command
 from asyncrl.launch.train_config import TrainRunConfig
 
 G = GenerationConfig(max_new_tokens=4)

@@ -56,7 +56,7 @@ def test_groups_that_are_all_uniform_stop_the_run(model_dir, tmp_path):
                        **{"watchdog.max_rejected_in_a_row": 40, "eval.every": 0})
     with pytest.raises(NoProgressError, match=r"\d+ episodes in a row.*max_rejected_in_a_row"
                                               r"=40.*accept rule.*rewards \[0.0\]"):
-        Trainer(cfg).train(workflow=zero_reward)
+        Trainer(cfg).train(reward=zero_reward)
 
 
 def test_max_train_seconds_counts_the_time_spent_waiting(model_dir, tmp_path):
@@ -77,7 +77,7 @@ def test_no_step_within_the_deadline_stops_the_run(model_dir, tmp_path):
 
 
 def test_a_wait_past_its_limit_is_cancelled_with_an_error_naming_it():
-    with WorkflowExecutor(None, RolloutConfig()) as ex:
+    with WorkflowExecutor(None, RolloutConfig(), None) as ex:
         cancelled = []
 
         async def hangs():

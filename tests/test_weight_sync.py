@@ -29,6 +29,9 @@ from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.config import TinyModelConfig
 from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.inference.config import RemoteEngineConfig
+from asyncrl.launch.launchers import LocalLauncher
+from asyncrl.launch.local_servers import LocalServers
+from train_helpers import server_command
 from asyncrl.launch.rollout_engines import open_rollout_engines
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.models.export import save_weights_dir
@@ -114,7 +117,7 @@ def test_bad_group_settings_name_the_field():
 def test_in_process_push_updates_the_engine(model_dir, tmp_path):
     model = perturbed(model_dir, seed=1)
     cfg = InferenceLaunchConfig(engine=EngineSettings(max_num_seqs=2))
-    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
+    with open_rollout_engines(cfg, model_dir, tmp_path / "logs", LocalLauncher()) as engines:
         e = engines.engine
         asyncio.run(engines.push(model.state_dict(), 3))
         assert e.get_version() == 3
@@ -141,7 +144,7 @@ def test_in_process_canary_stops_a_corrupted_push(model_dir, tmp_path):
 
     cfg = InferenceLaunchConfig(engine=EngineSettings(max_num_seqs=2), check_logprobs_every=1)
     assert InferenceLaunchConfig().canary_every == 20  # in process, by default every 20th push
-    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
+    with open_rollout_engines(cfg, model_dir, tmp_path / "logs", LocalLauncher()) as engines:
         engines.check = LogprobCheck(score, [PROMPT], 1.0, 0.05)
         ok = asyncio.run(engines.push(model.state_dict(), 1))
         assert ok["weight_check/tokens"] > 0 and ok["weight_check/mean_abs_diff"] < 1e-4
@@ -190,10 +193,10 @@ def test_http_disk_and_broadcast_push_reach_the_server(server, model_dir, tmp_pa
                                 remote=RemoteEngineConfig(addresses=[server], api_key=KEY))
 
     async def push(engines):
-        await engines.push(model.state_dict(), version, model.config, load_tokenizer(model_dir))
+        await engines.push(model.state_dict(), version)
         await engines.engine.aclose()
 
-    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
+    with open_rollout_engines(cfg, model_dir, tmp_path / "logs", LocalLauncher()) as engines:
         asyncio.run(push(engines))
     assert (tmp_path / "weights" / f"v{version}" / "config.json").is_file() == (kind == "disk")
     got = server_greedy(server)
@@ -208,7 +211,6 @@ def test_state_dict_dirs_reload_the_exact_tokenizer(model_dir, tmp_path):
     changed how tool-call text and spaces tokenized (a trained tool agent measured 0% calls)."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.models.loading import load_tokenizer
     from asyncrl.models.tokenizer import build_char_tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     out = save_weights_dir(model.state_dict(), model.config, tmp_path / "ckpt",
@@ -221,39 +223,41 @@ def test_broadcast_sync_survives_a_killed_server(model_dir, tmp_path):
     """Two real servers in one gloo weight group: two pushes use one group; then one server is
     SIGKILLed and the next push forms a group of the survivor and reaches it (the dead one is
     reported as missing the update, not a failed job)."""
-    cfg = InferenceLaunchConfig(mode="local", num_servers=2, weight_sync="gloo",
-                                bucket_bytes=1 << 16,
-                                engine=EngineSettings(max_num_seqs=2, max_seq_len=64,
-                                                      num_threads=1))
+    engine = EngineSettings(max_num_seqs=2, max_seq_len=64, num_threads=1)
 
     async def push(engines, version):
         model = perturbed(model_dir, seed=version)
         await engines.push(model.state_dict(), version)
         return model
 
-    async def run(engines):
+    async def run(engines, servers):
         await push(engines, 1)
         model = await push(engines, 2)
         group = engines.engine._weights._group
         assert group.groups_formed == 1 and len(group.members) == 2
         for url in engines.urls:
-            got = server_greedy_nokey(url, engines.servers.api_key)
+            got = server_greedy_nokey(url, servers.api_key)
             assert got["output_versions"] == [2] * NEW
             torch.testing.assert_close(torch.tensor(got["output_logprobs"]),
                                        trainer_logprobs(model, got["output_tokens"]),
                                        atol=1e-4, rtol=0)
-        os.killpg(engines.servers.procs[0].pid, signal.SIGKILL)  # a lost machine
+        os.killpg(servers.procs[0].pid, signal.SIGKILL)  # a lost machine
         model = await push(engines, 3)
         assert group.groups_formed == 2 and len(group.members) == 1
-        got = server_greedy_nokey(engines.urls[1], engines.servers.api_key)
+        got = server_greedy_nokey(engines.urls[1], servers.api_key)
         assert got["output_versions"] == [3] * NEW
         torch.testing.assert_close(torch.tensor(got["output_logprobs"]),
                                    trainer_logprobs(model, got["output_tokens"]),
                                    atol=1e-4, rtol=0)
         await engines.engine.aclose()
 
-    with open_rollout_engines(cfg, model_dir, tmp_path / "logs") as engines:
-        asyncio.run(run(engines))
+    make = lambda key: server_command("asyncrl", model_dir, api_key=key, engine=engine)  # noqa: E731
+    with LocalServers(make, 2, tmp_path / "logs") as servers:
+        cfg = InferenceLaunchConfig(mode="remote", weight_sync="gloo", bucket_bytes=1 << 16,
+                                    remote=RemoteEngineConfig(addresses=servers.urls,
+                                                              api_key=servers.api_key))
+        with open_rollout_engines(cfg, model_dir, tmp_path / "logs", LocalLauncher()) as engines:
+            asyncio.run(run(engines, servers))
 
 
 def server_greedy_nokey(url: str, key: str | None) -> dict:

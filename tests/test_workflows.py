@@ -98,8 +98,8 @@ def test_rlvr_on_the_real_engine_through_the_executor(tmp_path):
     wf = RLVRWorkflow(REWARD, GenerationConfig(n_samples=4, max_new_tokens=6, seed=1), TOK)
     rows = [dict(DATA, id=f"q{i}") for i in range(3)]
     try:
-        with WorkflowExecutor(engine, RolloutConfig(batch_size=3)) as ex:
-            trajs = run_episodes(ex, rows, wf)
+        with WorkflowExecutor(engine, RolloutConfig(batch_size=3), wf) as ex:
+            trajs = run_episodes(ex, rows)
     finally:
         engine.shutdown()
     assert len(trajs) == 3 and all(len(t) == 4 for t in trajs)

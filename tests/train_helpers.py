@@ -22,3 +22,32 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def sharded_parts(ckpt: Path) -> set[str]:
+    """The sharded parts a run checkpoint holds (`trainer`, `critic`), read off its DCP index."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(Path(ckpt) / "state").read_metadata().state_dict_metadata
+    return {key.split(".")[0] for key in keys}
+
+
+def server_command(backend: str, model_dir, **launch):
+    """The command the job would start a `backend` server with (its plugin config writes it);
+    `launch`: ServerLaunch fields (python defaults to this interpreter)."""
+    import sys
+
+    from asyncrl.inference.backends import BACKENDS
+    from asyncrl.inference.server_command import ServerLaunch
+
+    launch.setdefault("python", sys.executable)
+    if "extra_args" in launch:
+        launch["extra_args"] = tuple(launch["extra_args"])
+    return BACKENDS.parse(backend).server_command(str(model_dir), ServerLaunch(**launch))
+
+
+def make_backend(name: str, **kwargs):
+    """The wire adapter of backend `name` (what the job's plugin config builds)."""
+    from asyncrl.inference.backends import BACKENDS
+
+    return BACKENDS.parse(name).build(**kwargs)

@@ -38,7 +38,7 @@ class OddFirstTokenWorkflow:
 
 def make_workflow(tokenizer, n: int = 4):
     """A factory, as a YAML `workflow: {path: user_plugins:make_workflow, kwargs: {n: 2}}` names
-    it; the trainer injects `tokenizer` because the signature asks for it."""
+    it; the workflow config injects `tokenizer` because the signature asks for it."""
     return OddFirstTokenWorkflow(tokenizer, n=n)
 
 
@@ -61,6 +61,8 @@ class ScaledReinforce:
     """A user loss: -scale * A * log p on the trained tokens (no ratio, no clip)."""
 
     calls = 0
+    normalize_by = "tokens"  # the normaliser counts the step's trained tokens
+    needs_entropy = False
 
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = scale

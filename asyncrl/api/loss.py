@@ -39,11 +39,12 @@ class PolicyLoss(Protocol):
     Divide by `normalizer` (the global count of trained tokens over every micro-batch and rank)
     rather than by this micro-batch's count, so gradient accumulation equals one big batch.
     `stats` are floats for logging, averaged over micro-batches weighted by their tokens.
-
-    Optional attributes the trainer reads: `normalize_by` ("tokens", the default, or
-    "sequences": the normaliser then counts sequences with a trained token) and `needs_entropy`
-    (True: `inputs.entropy` is filled, at the cost of a softmax over the vocabulary per token).
+    `normalize_by`: what that count counts, "tokens" or "sequences" (those with a trained token).
+    `needs_entropy`: True fills `inputs.entropy` (a softmax over the vocabulary per token).
     """
+
+    normalize_by: str
+    needs_entropy: bool
 
     def __call__(self, logprobs: torch.Tensor, inputs: LossInputs, normalizer: torch.Tensor
                  ) -> tuple[torch.Tensor, dict[str, float]]: ...

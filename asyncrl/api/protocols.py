@@ -22,16 +22,28 @@ if TYPE_CHECKING:  # keep `import asyncrl.api` free of torch and gymnasium
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """Generates tokens; built-in engine, remote HTTP client or a test double."""
+    """Generates tokens: what a workflow, an agent proxy or an evaluation is handed (the
+    built-in engine, the remote HTTP client, a test double)."""
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
 
     def get_version(self) -> int: ...
 
+
+@runtime_checkable
+class ServingEngine(InferenceEngine, Protocol):
+    """An engine a training job serves its policy with: it pauses, takes new weights, and is
+    checked. The built-in engine (asyncrl/inference/async_engine.py) and the remote client
+    (asyncrl/inference/remote.py) implement it."""
+
     def pause(self) -> None:
         """Stop scheduling new work; in-flight requests are aborted and return partial output."""
 
     def resume(self) -> None: ...
+
+    def interrupt(self) -> None:
+        """Every generation in flight returns now with its partial output, new ones return
+        empty, until `resume` (a checkpoint suspends the episodes in flight this way)."""
 
     async def update_weights(self, meta: WeightUpdateMeta,
                              weights: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -39,6 +51,21 @@ class InferenceEngine(Protocol):
 
         `meta.kind` says how they travel: DISK reads `meta.path` (no `weights`); TENSORS takes
         `weights` (full HF-named tensors: in memory in process, streamed in buckets over HTTP)."""
+
+    async def check_servers(self) -> None:
+        """Raise, naming the fix, if a server this engine drives cannot be used (version range,
+        routes, logprobs mode); nothing to check in process."""
+
+    async def generate_on_each(self, req: ModelRequest) -> list[tuple[str, ModelResponse]]:
+        """`req` generated once by every healthy server (or the in-process engine), each with
+        its name: the logprob canary compares each with the trainer."""
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A workflow (or an agent behind one) that holds resources to release at the run's end."""
+
+    async def aclose(self) -> None: ...
 
 
 @runtime_checkable

@@ -3,12 +3,11 @@
 Row: {"id", "question", "answer" (exact final answer), "messages" (chat prompt), ...extras}.
 Sources: the synthetic arithmetic task, GSM8K-format JSONL, generic local JSONL/parquet, and
 anything `datasets.load_dataset` reads (`kind: hf`: hub ids from the HF cache, local dirs); pick
-one with a `DatasetConfig` (discriminated on `kind`) and call `.build()`.
+one with a `DatasetConfig` (the `DATASETS` registry, by `kind`) and call `.build()`.
 """
 
 from asyncrl.data.arithmetic import ArithmeticTask, ArithmeticTaskConfig
-from asyncrl.data.dataset import (DatasetConfig, TaskDataset, load_dataset_from_config,
-                                  parse_dataset_config)
+from asyncrl.data.dataset import DATASETS, DatasetConfig, TaskDataset, parse_dataset_config
 from asyncrl.data.files import FileDataset, FileDatasetConfig
 from asyncrl.data.gsm8k import GSM8KConfig, GSM8KDataset
 from asyncrl.data.hf import HFDataset, HFDatasetConfig
@@ -18,5 +17,5 @@ __all__ = [
     "ArithmeticTask", "ArithmeticTaskConfig", "DatasetConfig", "DatasetError", "FileDataset",
     "FileDatasetConfig", "GSM8KConfig", "GSM8KDataset", "HFDataset", "HFDatasetConfig", "Row",
     "TaskDataset",
-    "deterministic_split", "load_dataset_from_config", "parse_dataset_config",
+    "DATASETS", "deterministic_split", "parse_dataset_config",
 ]

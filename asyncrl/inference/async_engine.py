@@ -142,6 +142,13 @@ class AsyncLLMEngine:
         self._interrupted = False
         self._wait(self._submit(self.engine.resume), "resume")
 
+    async def check_servers(self) -> None:
+        """No servers: this engine is checked by the canary alone."""
+
+    async def generate_on_each(self, req: ModelRequest) -> list[tuple[str, ModelResponse]]:
+        """The one engine there is, named for the canary's messages."""
+        return [("the in-process engine", await self.agenerate(req))]
+
     def abort(self, rid: str | None = None) -> int:
         """Finish `rid` (all requests when None) now with partial output; returns how many."""
 

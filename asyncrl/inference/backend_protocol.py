@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from asyncrl.api import GenerationConfig, StopReason
 
@@ -195,6 +195,31 @@ class Backend(Protocol):
 
     def failed_update_recovery_calls(self) -> list[HttpCall]:
         """Calls that leave the server serving its old weights after a failed update."""
+
+    def ranks_call(self) -> HttpCall | None:
+        """The call that asks a server how many group ranks it takes (vLLM: TP*PP*DP), or None
+        when the config says (`inference.remote.ranks_per_server`)."""
+
+    def parse_ranks(self, body: Any) -> int: ...
+
+
+class BackendPlugin(Protocol):
+    """What a backend's plugin config (`inference.backend`) declares and makes."""
+
+    kind: str
+    weight_syncs: ClassVar[tuple[str, ...]]  # "tensors" (HTTP buckets), "disk", "nccl", "gloo"
+    lora: ClassVar[bool]  # LoRA adapters loaded at run time
+    untied_head: ClassVar[bool]  # the served model needs lm_head.weight of its own
+    tested: ClassVar[str]  # the server versions it was tested against
+
+    def build(self, model: str | None = None, lora: LoraServing | None = None) -> Backend:
+        """The adapter of the remote client (`model`: the served model name, when needed)."""
+
+    def check_lora(self, lora: LoraServing) -> None:
+        """ValueError naming the limit when its servers cannot take these adapters."""
+
+    def server_command(self, model_dir: str, launch: Any) -> Any:
+        """The `ServerCommand` that starts one server (inference/server_command.py)."""
 
 
 def reply_field(body: Any, *keys: str | int) -> Any:

@@ -1,4 +1,5 @@
-"""Wire formats of the servers the remote client drives: this project's server, vLLM and SGLang.
+"""The inference backends: the wire formats of the servers the remote client drives (this project's
+server, vLLM and SGLang), and the `BACKENDS` registry of their plugin configs.
 
 A `Backend` only translates: one generation segment -> one HTTP call, the reply -> a `Segment`
 (tokens, logprobs, per-token versions, stop reason); plus the paths of its health, pause, resume,
@@ -13,15 +14,22 @@ against its source only.
 Besides translating, a backend names what must hold before a server is used (`server_checks`:
 version range, RL routes mounted, logprobs mode) and the version the server reports
 (`parse_health`), which the client compares after every weight update.
+
+Each backend's plugin config (`inference.backend: vllm`) declares what its servers support (the
+weight transports `weight_syncs`, runtime `lora`, an `untied_head`, the versions `tested`), builds
+the adapter (`build`) and writes the command that starts a server (`server_command`); config
+validation, the launch layer and the CLI's choices read those declarations. A backend of your own
+is a config class like these and `BACKENDS.register(YourConfig)`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, ClassVar, Literal
 
 from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
-    Backend,
     BackendReplyError,
     Delta,
     GroupJoin,
@@ -33,8 +41,10 @@ from asyncrl.inference.backend_protocol import (
     join_body,
     reply_field,
 )
-from asyncrl.inference.sglang_backend import SGLangBackend
-from asyncrl.inference.vllm_backend import VLLMBackend
+from asyncrl.inference.server_command import ServerCommand, ServerLaunch
+from asyncrl.inference.sglang_backend import SGLangBackendConfig
+from asyncrl.inference.vllm_backend import VLLMBackendConfig
+from asyncrl.plugins import Registry
 
 
 class AsyncrlBackend:
@@ -48,6 +58,12 @@ class AsyncrlBackend:
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # unused: the server serves one model
+
+    def ranks_call(self) -> HttpCall | None:
+        return None  # one rank per server
+
+    def parse_ranks(self, body: Any) -> int:
+        raise NotImplementedError("asyncrl servers are not asked for their ranks")
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
                       stream: bool = False) -> HttpCall:
@@ -131,28 +147,41 @@ class AsyncrlBackend:
         def verdict(status: int, body: Any) -> str | None:
             if status != 200 or not isinstance(body, dict) or "version" not in body:
                 return (f"answers GET /health with HTTP {status} and no weight version: is it an "
-                        "`asyncrl serve` server? (set inference.remote.backend for vLLM/SGLang)")
+                        "`asyncrl serve` server? (set inference.backend for vLLM/SGLang)")
             return None
 
         return [ServerCheck(self.health_call(), verdict)]
 
 
-BACKENDS: dict[str, type] = {
-    "asyncrl": AsyncrlBackend,
-    "vllm": VLLMBackend,
-    "sglang": SGLangBackend,
-}
+class AsyncrlBackendConfig(Config):
+    """`inference.backend: asyncrl` (the default): this project's server, `asyncrl serve`."""
+
+    kind: Literal["asyncrl"] = "asyncrl"  # the backend (BACKENDS: asyncrl | vllm | sglang | yours)
+    weight_syncs: ClassVar[tuple[str, ...]] = ("tensors", "disk", "nccl", "gloo")
+    lora: ClassVar[bool] = True  # merged into the served weights (/update_weights/lora)
+    untied_head: ClassVar[bool] = False
+    tested: ClassVar[str] = "this release's `asyncrl serve`"
+
+    def build(self, model: str | None = None, lora: LoraServing | None = None) -> AsyncrlBackend:
+        return AsyncrlBackend(model=model)
+
+    def check_lora(self, lora: LoraServing) -> None:
+        pass  # any rank: the server merges the adapter into its own weights
+
+    def server_command(self, model_dir: str, launch: ServerLaunch) -> ServerCommand:
+        """`python -m asyncrl.cli serve --port 0` with every engine setting that differs from
+        its default; it prints its address once it listens."""
+        overrides = [f"engine.{k}={json.dumps(v)}" for k, v in
+                     launch.engine.model_dump(mode="json", exclude_defaults=True).items()]
+        # the key travels in the environment, not argv (visible to every user in `ps`)
+        env = {"ASYNCRL_SERVER_API_KEY": launch.api_key} if launch.api_key else {}
+        return ServerCommand([launch.python, "-m", "asyncrl.cli", "serve", "--model", model_dir,
+                              "--host", launch.host, "--port", "0", *overrides,
+                              *launch.extra_args], env, host=launch.host)
 
 
-def make_backend(name: str, model: str | None = None, lora: LoraServing | None = None) -> Backend:
-    """`lora`: the job pushes LoRA adapters; a vLLM backend then checks at startup that its
-    servers take them (asyncrl servers always do; SGLang is refused by the config)."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not known; choose one of {list(BACKENDS)}")
-    if name == "vllm":
-        return VLLMBackend(model=model, lora=lora)
-    return BACKENDS[name](model=model)
+BACKENDS: Registry = Registry("backend")
+for _cls in (AsyncrlBackendConfig, VLLMBackendConfig, SGLangBackendConfig):
+    BACKENDS.register(_cls)
 
-
-__all__ = ["AsyncrlBackend", "Backend", "BackendReplyError", "Delta", "HttpCall", "SGLangBackend",
-           "Segment", "ServerCheck", "VLLMBackend", "make_backend"]
+BackendConfig = BACKENDS.field()

@@ -59,8 +59,6 @@ class EngineSettings(Config):
 
 class RemoteEngineConfig(Config):
     addresses: list[str] = pydantic.Field(min_length=1)  # base URLs, e.g. http://10.0.0.5:8000
-    # the servers' kind (their routes and reply shapes)
-    backend: Literal["asyncrl", "vllm", "sglang"] = "asyncrl"
     model: str | None = None  # vLLM: the served model name, when the server needs one
     # how requests are spread over the servers
     routing: Literal["round_robin", "least_loaded"] = "round_robin"

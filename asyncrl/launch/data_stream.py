@@ -1,8 +1,9 @@
 """An endless, resumable stream of training rows: a fresh seeded shuffle every epoch.
 
-`position` counts rows handed out; a stream rebuilt with the same rows, seed and position continues
-exactly where the saved one stopped (the executor pulls rows ahead of training, so on resume the
-rows that were queued or in flight at the checkpoint are skipped, never repeated).
+`position` counts rows handed out; a checkpoint keeps it (`state_dict`), and a stream with the same
+rows and seed continues exactly where the saved one stopped (the executor pulls rows ahead of
+training, and the rows queued or in flight at a checkpoint are kept with the episodes, so none is
+repeated or lost).
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ from typing import Any
 
 
 class DataStream:
-    def __init__(self, rows: Sequence[dict[str, Any]], seed: int = 0, position: int = 0) -> None:
+    def __init__(self, rows: Sequence[dict[str, Any]], seed: int = 0) -> None:
         if not rows:
             raise ValueError("the training split is empty; the stream needs at least one row")
-        if position < 0:
-            raise ValueError(f"position={position} is out of range; allowed [0, inf)")
         self.rows, self.seed = list(rows), seed
-        self.position = position
+        self.position = 0
         self._epoch, self._order = -1, []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["position"] < 0:
+            raise ValueError(f"position={state['position']} is out of range; allowed [0, inf)")
+        self.position = state["position"]
 
     @property
     def epoch(self) -> int:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.inference.engine import resolve_device, resolve_dtype
+from asyncrl.inference.engine import resolve_device
 from asyncrl.inference.config import EngineSettings
 
-__all__ = ["check_engine_placement", "engine_dtype_name", "resolve"]
+__all__ = ["check_engine_placement", "resolve"]
 
 
 def resolve(spec: str | None) -> torch.device:
@@ -44,10 +44,3 @@ def check_engine_placement(
             "(inference.remote.addresses)"
         )
     return device
-
-
-def engine_dtype_name(dtype: str, device: torch.device | str) -> str:
-    """`EngineSettings.dtype` as a concrete name ("float32" / "bfloat16") for `device`: what a
-    server that knows no "auto" of ours (vLLM, SGLang `--dtype`) should be given."""
-    resolved = resolve_dtype(dtype, torch.device(device))
-    return str(resolved).removeprefix("torch.")

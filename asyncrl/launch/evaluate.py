@@ -13,7 +13,6 @@ import contextlib
 import json
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -133,15 +132,16 @@ def _eval_engine(model_dir: Path, inference: Any, max_num_seqs: int, max_seq_len
         finally:
             engine.shutdown()
         return
+    from asyncrl.launch.launchers import LocalLauncher
     from asyncrl.launch.rollout_engines import open_rollout_engines
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
-        where = (f"{inference.num_servers} local {inference.server_backend} server(s)"
+        where = (f"{inference.num_servers} local {inference.backend.kind} server(s)"
                  if inference.mode == "local" else f"{inference.remote.addresses}")
         console.print(f"eval: generating with {where}", soft_wrap=True)
         with open_rollout_engines(inference.trusting(trust_remote_code), model_dir,
-                                  Path(tmp) / "logs") as engines:
-            yield engines.engine, partial(engines.start_checks, 0)
+                                  Path(tmp) / "logs", LocalLauncher()) as engines:
+            yield engines.engine, engines.check_servers
 
 
 def run_to_completion(make: Callable[[], Awaitable[T]]) -> T:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from asyncrl.reward.judge_config import JudgeRewardConfig
-from asyncrl.reward.registry import open_reward
+from asyncrl.reward.config import open_reward
 
 
 class EngineJudgeClient:

@@ -18,12 +18,12 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 
-from asyncrl.launch.server_commands import READY_PREFIX, ServerCommand
+from asyncrl.inference.server_command import READY_PREFIX, ServerCommand
 
 PR_SET_PDEATHSIG = 1
 
@@ -132,6 +132,11 @@ class LocalServers:
 
     def __enter__(self) -> LocalServers:
         return self.start()
+
+    @contextlib.contextmanager
+    def watching(self, engine: object) -> Iterator[None]:
+        """Nothing to watch: a local server is not restarted at another address."""
+        yield
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -1,37 +1,60 @@
 """Rollout servers placed by Ray (`launcher: ray` with `inference.mode: local`).
 
-Each server is a Ray actor (CPUs, GPUs and custom resources from `ray.*_per_server`) that starts
+Each server is a Ray actor (CPUs, GPUs and custom resources from `launcher.*_per_server`) that
+starts
 one server process (`asyncrl serve`, vLLM or SGLang, the same command lines as on one machine)
 listening on its node's address, and dies with it: the process is started with the kernel told
 to end it with its parent, so killing the actor (a lost node) leaves no orphan. Ray starts a
-dead actor again (`ray.max_server_restarts`); the new server has a new address.
+dead actor again (`launcher.max_server_restarts`); the new server has a new address.
 
-`RayServers` has the `LocalServers` surface the job uses (`urls`, `api_key`, a context manager)
-plus `watching(engine)`: a thread on the trainer's rank 0 that asks each actor for its address
-every `ray.server_poll_s` and hands a changed one to `RemoteInferenceEngine.replace_server`, so
-a restarted server serves again once the next weight update has reached it.
+`RayServers` is a `ServerFleet` (launch/launchers.py) like `LocalServers`; its `watching(engine)`
+is a thread on the trainer's rank 0 that asks each actor for its address every
+`launcher.server_poll_s` and hands a changed one to `RemoteInferenceEngine.replace_server`, so a
+restarted server serves again once the next weight update has reached it. What ran where goes
+to RUN/ray_placement.json (`record_placement`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.launch.ray_config import RayConfig, bundle
-from asyncrl.launch.ray_trainer import node_address, record_placement
+
+if TYPE_CHECKING:
+    from asyncrl.launch.launchers import MakeCommand, RayLauncherConfig
 
 log = logging.getLogger(__name__)
 
-# make_command(api_key, host) -> ServerCommand; pickled to the actor's node
-MakeCommand = Callable[[str, str], Any]
+PLACEMENT_FILE = "ray_placement.json"
+
+
+def record_placement(run_dir: Path, role: str, nodes: list[dict[str, Any]]) -> None:
+    """RUN/ray_placement.json[role] = nodes (what ran where, for the user and the tests)."""
+    path = Path(run_dir) / PLACEMENT_FILE
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[role] = nodes
+    path.write_text(json.dumps(data, indent=1))
+
+
+def node_address() -> str:
+    """This node's address as the cluster knows it (`ray start --node-ip-address`), which
+    `ray.util.get_node_ip_address()` (a routing guess) may not be."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    for n in ray.nodes():
+        if n["NodeID"] == node:
+            return n["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
 
 
 class ServerActor:
@@ -60,7 +83,7 @@ class ServerActor:
 
 class RayServers:
     def __init__(self, make_command: MakeCommand, count: int, log_dir: str | Path,
-                 startup_timeout_s: float, ray_cfg: RayConfig) -> None:
+                 startup_timeout_s: float, ray_cfg: RayLauncherConfig) -> None:
         self.make_command, self.count = make_command, count
         self.log_dir = Path(log_dir).resolve()  # the actors' working directory is not ours
         self.timeout, self.cfg = startup_timeout_s, ray_cfg
@@ -73,7 +96,7 @@ class RayServers:
         import ray
 
         cfg = self.cfg
-        resources = bundle(cfg.cpus_per_server, cfg.gpus_per_server, cfg.resources_per_server)
+        resources = cfg.server_bundle()
         actor = ray.remote(ServerActor).options(
             num_cpus=resources.pop("CPU"), num_gpus=resources.pop("GPU", 0),
             resources=resources or None, max_restarts=cfg.max_server_restarts)
@@ -98,12 +121,6 @@ class RayServers:
 
     def __exit__(self, *exc: object) -> None:
         self._kill()
-
-    def kill(self, index: int) -> None:
-        """Kill one server actor (and with it its process); Ray starts it again."""
-        import ray
-
-        ray.kill(self.actors[index], no_restart=False)
 
     def _kill(self) -> None:
         import ray

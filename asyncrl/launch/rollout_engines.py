@@ -1,48 +1,53 @@
-"""The rollout side of a training job: which InferenceEngine, and how new weights reach it.
+"""The rollout side of a training job: which engine generates, and how new weights reach it.
 
-`open_rollout_engines(cfg, model_dir, log_dir)` yields `RolloutEngines`: `.engine` (the
-InferenceEngine the executor drives) and `.push(weights, version)` (a coroutine run on the
+`open_rollout_engines(cfg, model_dir, log_dir, launcher)` yields `RolloutEngines`: `.engine` (the
+ServingEngine the executor drives) and `.push(weights, version)` (a coroutine run on the
 executor's event loop), the job's one way to deliver weights: every engine takes them through
-`InferenceEngine.update_weights(meta, weights)`. `.version` is the version every engine serves:
-the push advances it once all of them have the new weights, and the executor follows it (its
-staleness bound counts served versions; the trainer's own version runs ahead during a push). In process, the update is applied between two engine steps and sequences
-in flight continue under the new weights. Over HTTP the client pauses the servers (requests in
-flight come back partial and are continued after the update, so one sequence may hold tokens of
-two versions), streams the weights in buckets or has the servers load a directory, checks that
-each server reports the new version, and resumes. With a `LogprobCheck` attached (the job
-attaches one; `inference.check_logprobs_every`: every push to servers, every 20th in process by
-default), every engine's logprobs on a small canary batch are then compared with the trainer's.
+`update_weights(meta, weights)`. `.version` is the version every engine serves: the push advances
+it once all of them have the new weights, and the executor follows it (its staleness bound counts
+served versions; the trainer's own version runs ahead during a push). In process, the update is
+applied between two engine steps and sequences in flight continue under the new weights. Over
+HTTP the client pauses the servers (requests in flight come back partial and are continued after
+the update, so one sequence may hold tokens of two versions), streams the weights in buckets or
+has the servers load a directory, checks that each server reports the new version, and resumes.
+With a `LogprobCheck` (`inference.check_logprobs_every`: every push to servers, every 20th in
+process by default), every engine's logprobs on a small canary batch are then compared with the
+trainer's.
 
-With `train.lora` the job sets `.adapter`: a push then carries the LoRA adapter only (PEFT
-names; in memory, HTTP buckets, or an adapter directory for `/update_weights/lora` or vLLM's
-LoRA routes) and each engine merges it into the base model it was started from.
+With an `AdapterSpec` (train.lora) a push carries the LoRA adapter only (PEFT names; in memory,
+HTTP buckets, or an adapter directory for `/update_weights/lora` or vLLM's LoRA routes) and each
+engine merges it into the base model it was started from.
 
-Servers are checked before the first rollout (`check_servers`: version range, routes, logprobs
-mode). A vLLM server is given an untied copy of a tied model (see vllm_backend.VLLMBackend).
+Servers of mode local are started where the launcher places them, with the command their
+backend writes (`BackendPlugin.server_command`); a backend that needs an untied output head
+(vLLM) is given an untied copy. Servers are checked before the first rollout (`check_servers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
-from dataclasses import dataclass
 import socket
+import sys
+from dataclasses import dataclass, replace
 from collections.abc import Iterator, Mapping
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 
-from asyncrl.api import InferenceEngine, PolicyVersion, WeightUpdateKind, WeightUpdateMeta
-from asyncrl.launch.ray_config import RayConfig
+from asyncrl.api import PolicyVersion, ServingEngine, WeightUpdateKind, WeightUpdateMeta
+from asyncrl.inference.backend_protocol import BackendPlugin, LoraServing
+from asyncrl.inference.config import RemoteEngineConfig
+from asyncrl.inference.server_command import ServerCommand, ServerLaunch
+from asyncrl.launch.launchers import Launcher
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck
 from asyncrl.models.config import DEFAULT_SHARD_SIZE
 
-if TYPE_CHECKING:
-    from asyncrl.inference.backend_protocol import LoraServing
 
 
 @dataclass(frozen=True)
@@ -55,38 +60,38 @@ class AdapterSpec:
 
 
 class RolloutEngines:
-    def __init__(self, engine: InferenceEngine, cfg: InferenceLaunchConfig, remote: bool,
-                 weights_dir: Path, urls: list[str] | None = None,
-                 untie: bool = False, servers: Any = None, version: int = 0,
-                 shard_size: int | str = DEFAULT_SHARD_SIZE,
-                 generation_config: Any = None) -> None:
+    def __init__(self, engine: ServingEngine, cfg: InferenceLaunchConfig, *, remote: bool,
+                 model_dir: Path, weights_dir: Path, urls: list[str] | None = None,
+                 untie: bool = False, version: int = 0,
+                 shard_size: int | str = DEFAULT_SHARD_SIZE, check: LogprobCheck | None = None,
+                 adapter: AdapterSpec | None = None) -> None:
+        """`model_dir`: the model the engines started from. `check`: the logprob canary run
+        after pushes (every `cfg.canary_every`). `adapter`: with train.lora, pushes carry the
+        adapter only."""
         self.engine, self.cfg, self.remote = engine, cfg, remote
         # disk sync: each version a HF directory of safetensors files of at most `shard_size`,
-        # carrying the starting model's generation config
-        self.shard_size, self.generation_config = shard_size, generation_config
+        # with the starting model's config, generation config and tokenizer
+        self.model_dir, self.shard_size = Path(model_dir), shard_size
         self.version = PolicyVersion(version)  # served by every engine; only `push` moves it
         self.weights_dir, self.urls = weights_dir, urls or []
         self.untie = untie  # disk updates write an output head of their own
-        self.servers = servers  # LocalServers, when this job started them
-        self.check: LogprobCheck | None = None  # attached by the job (it needs the trainer)
-        self.adapter: AdapterSpec | None = None  # train.lora: pushes are adapters (the job's)
+        self.check, self.adapter = check, adapter
         self._updates = 0
         self.group_addr = cfg.group_addr or _route_addr(self.urls)  # nccl / gloo sync
 
-    async def push(self, weights: Mapping[str, torch.Tensor], version: int,
-                   hf_config: Any = None, tokenizer: Any = None) -> dict[str, float]:
-        """Every engine serves `version` when this returns (disk sync needs `hf_config`).
-        Returns what was sent (`weight_sync/*`) and the logprob check's metrics when one ran.
-        With `adapter` set, `weights` is a LoRA adapter (PEFT names) and only it travels."""
+    async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Every engine serves `version` when this returns. Returns what was sent
+        (`weight_sync/*`) and the logprob check's metrics when one ran. With `adapter` set,
+        `weights` is a LoRA adapter (PEFT names) and only it travels."""
         sent: Mapping[str, torch.Tensor] | None = weights
         if self.adapter is not None:
             meta, sent = self._adapter_meta(weights, version)
         elif self.cfg.sync_kind == "disk":
             from asyncrl.models.export import save_weights_dir
 
+            hf_config, tokenizer, generation = self._model_files()
             path = save_weights_dir(weights, hf_config, self.weights_dir / f"v{version}",
-                                    tokenizer, untie=self.untie,
-                                    generation_config=self.generation_config,
+                                    tokenizer, untie=self.untie, generation_config=generation,
                                     max_shard_size=self.shard_size)
             _remove_older(self.weights_dir, version)
             meta, sent = WeightUpdateMeta.from_disk(str(path), version), None
@@ -116,6 +121,22 @@ class RolloutEngines:
             metrics.update(await self.check.run(self.engine, version))
         return metrics
 
+    @functools.cache  # noqa: B019 (one per engines object, which lives as long as the run)
+    def _model_files(self) -> tuple[Any, Any, Any]:
+        """The starting model's config, tokenizer and generation config (None: derived from
+        the config when written), which every disk push writes beside the weights."""
+        from transformers import AutoConfig, GenerationConfig
+
+        from asyncrl.models.loading import load_tokenizer
+
+        trust = self.cfg.engine.trust_remote_code
+        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True,
+                                            trust_remote_code=trust)
+        generation = None
+        if (self.model_dir / "generation_config.json").is_file():
+            generation = GenerationConfig.from_pretrained(self.model_dir, local_files_only=True)
+        return config, load_tokenizer(self.model_dir, trust), generation
+
     def _adapter_meta(self, adapter: Mapping[str, torch.Tensor], version: int
                       ) -> tuple[WeightUpdateMeta, Mapping[str, torch.Tensor] | None]:
         """A LoRA push: the adapter in memory / HTTP buckets, or a PEFT adapter directory."""
@@ -140,13 +161,16 @@ class RolloutEngines:
     def resume(self) -> None:
         self.engine.resume()
 
-    async def start_checks(self, version: int) -> dict[str, float]:
-        """Before the first rollout: the servers' own checks, then the logprob canary."""
-        if self.remote:
-            await self.engine.check_servers()
-        if self.check is not None and self.cfg.canary_every:
-            return await self.check.run(self.engine, version)
-        return {}
+    async def check_servers(self) -> None:
+        """Before the first rollout: each server's own checks (version range, routes,
+        logprobs mode); nothing for the in-process engine."""
+        await self.engine.check_servers()
+
+    async def canary(self, version: int) -> dict[str, float]:
+        """The logprob canary now, unless the run has none."""
+        if self.check is None or not self.cfg.canary_every:
+            return {}
+        return await self.check.run(self.engine, version)
 
 
 def _route_addr(urls: list[str]) -> str:
@@ -170,16 +194,17 @@ def _remove_older(weights_dir: Path, version: int) -> None:
 
 @contextlib.contextmanager
 def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_dir: Path,
-                         detokenize: Any = None, version: int = 0,
-                         ray_cfg: RayConfig | None = None,
+                         launcher: Launcher, detokenize: Any = None,
                          shard_size: int | str = DEFAULT_SHARD_SIZE,
-                         lora: LoraServing | None = None) -> Iterator[RolloutEngines]:
-    """`version`: of the weights in `model_dir` (a resumed checkpoint's). `ray_cfg`: the servers
-    of mode local are Ray actors (`launcher: ray`), not processes of this machine.
-    `shard_size`: of the safetensors files written for the engines (disk sync, untied copy).
-    `lora`: pushes will be LoRA adapters; servers of mode local are started to take them."""
+                         lora: LoraServing | None = None, check: LogprobCheck | None = None,
+                         adapter: AdapterSpec | None = None) -> Iterator[RolloutEngines]:
+    """The engines of `cfg`, serving the model in `model_dir` at version 0. `launcher`: where
+    servers of mode local run. `shard_size`: of the safetensors files written for the engines
+    (disk sync, untied copy). `lora`: pushes will be LoRA adapters; servers of mode local are
+    started to take them, remote ones are checked for it."""
     weights_dir = log_dir.parent / "weights"  # disk sync only; created on first use
-    written = {"shard_size": shard_size, "generation_config": _generation_config(model_dir)}
+    common = {"model_dir": Path(model_dir), "shard_size": shard_size, "check": check,
+              "adapter": adapter}
     if cfg.sync_kind == "nccl" and not torch.cuda.is_available():
         raise ValueError("inference.weight_sync='nccl' needs CUDA in the trainer process and "
                          "this one has none; allowed here: gloo (the same broadcast over TCP), "
@@ -188,67 +213,46 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
         from asyncrl.inference.async_engine import AsyncLLMEngine
         from asyncrl.inference.engine import EngineConfig, LLMEngine
 
-        engine = AsyncLLMEngine(LLMEngine(EngineConfig.of(model_dir, cfg.engine), detokenize,
-                                          version=version))
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig.of(model_dir, cfg.engine), detokenize))
         try:
-            yield RolloutEngines(engine, cfg, remote=False, weights_dir=weights_dir,
-                                 version=version, **written)
+            yield RolloutEngines(engine, cfg, remote=False, weights_dir=weights_dir, **common)
         finally:
             engine.shutdown()
         return
 
-    from asyncrl.inference.backends import make_backend
     from asyncrl.inference.remote import RemoteInferenceEngine
-    from asyncrl.inference.config import RemoteEngineConfig
 
-    untie = make_backend(cfg.server_backend).needs_untied_head
-    servers = None
+    backend = cfg.backend
     with contextlib.ExitStack() as stack:
+        servers = None
         if cfg.mode == "local":
-            from asyncrl.launch.local_servers import LocalServers
-
-            served = str(Path(model_dir).resolve())  # a server may run elsewhere (Ray)
-            if untie:
+            served = str(Path(model_dir).resolve())  # a server may run on another node
+            if backend.untied_head:
                 from asyncrl.models.export import untied_copy
 
                 served = str(untied_copy(model_dir, log_dir.parent / "served_model",
                                          shard_size, cfg.engine.trust_remote_code))
-            make = partial(_command, cfg, served, lora=lora)
-            if ray_cfg is not None:  # placed by Ray, on whichever nodes have their resources
-                from asyncrl.launch.ray_servers import RayServers
-
-                servers = stack.enter_context(RayServers(make, cfg.num_servers, log_dir,
-                                                         cfg.startup_timeout_s, ray_cfg))
-            else:
-                servers = stack.enter_context(LocalServers(make, cfg.num_servers, log_dir,
-                                                           cfg.startup_timeout_s))
-            remote_cfg = RemoteEngineConfig(addresses=servers.urls, api_key=servers.api_key,
-                                            backend=cfg.server_backend)
+            launch = ServerLaunch(python=cfg.server_python or sys.executable, engine=cfg.engine,
+                                  extra_args=tuple(cfg.server_args),
+                                  weight_transfer=cfg.sync_kind == "nccl", lora=lora)
+            servers = stack.enter_context(launcher.servers(
+                partial(_command, backend, served, launch), cfg.num_servers, log_dir,
+                cfg.startup_timeout_s))
+            remote_cfg = RemoteEngineConfig(addresses=servers.urls, api_key=servers.api_key)
         else:
             remote_cfg = cfg.remote
-        engine = RemoteInferenceEngine(remote_cfg, make_backend(
-            remote_cfg.backend, model=remote_cfg.model, lora=lora))  # lora: checked at startup
+        # lora: a backend that takes adapters checks its servers' settings at startup
+        engine = RemoteInferenceEngine(remote_cfg, backend.build(model=remote_cfg.model,
+                                                                 lora=lora))
         stack.callback(engine.close)
-        if ray_cfg is not None and servers is not None:
+        if servers is not None:
             stack.enter_context(servers.watching(engine))
         yield RolloutEngines(engine, cfg, remote=True, weights_dir=weights_dir,
-                             urls=list(remote_cfg.addresses), untie=untie, servers=servers,
-                             version=version, **written)
+                             urls=list(remote_cfg.addresses), untie=backend.untied_head,
+                             **common)
 
 
-def _generation_config(model_dir: str | Path) -> Any:
-    """`model_dir`'s generation config, or None (then derived from the config when written)."""
-    if not (Path(model_dir) / "generation_config.json").is_file():
-        return None
-    from transformers import GenerationConfig
-
-    return GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-
-
-def _command(cfg: InferenceLaunchConfig, model_dir: str, api_key: str,
-             host: str = "127.0.0.1", lora: LoraServing | None = None) -> Any:
-    from asyncrl.launch.server_commands import server_command
-
-    return server_command(cfg.server_backend, model_dir, python=cfg.server_python,
-                          engine=cfg.engine, api_key=api_key, extra_args=cfg.server_args,
-                          weight_transfer=cfg.sync_kind == "nccl", host=host, lora=lora)
+def _command(backend: BackendPlugin, model_dir: str, launch: ServerLaunch, api_key: str,
+             host: str) -> ServerCommand:
+    """One server's command (picklable: a Ray actor on another node calls it)."""
+    return backend.server_command(model_dir, replace(launch, api_key=api_key, host=host))

@@ -1,17 +1,21 @@
-"""Checkpoints of a training run: RUN/checkpoints/step_NNNNNN/{policy/, trainer/, [critic/,]
-state.json, rollouts.pkl}.
+"""Checkpoints of a training run: RUN/checkpoints/step_NNNNNN/{state/, policy/, [adapter/,]
+state.json}, and `RunCheckpointer`, the one place a run's stateful parts are registered.
 
-`policy/` is a plain HF model directory written by save_pretrained (config, generation config,
-safetensors sharded by `checkpoint_shard_size` with an index, tokenizer and chat template) that
-transformers, `asyncrl eval`, `asyncrl serve` or vLLM load directly (with `train.lora` the
-adapter merged in; `adapter/` holds the adapter alone, as `PeftModel.save_pretrained` writes
-it); `trainer/` holds the full training state (weights and optimizer sharded by rank,
-resumable on another world size; LR schedule, RNG, the policy version); `state.json` the loop's
-own position (step, data position, elapsed time) and the rollout side's staleness counters;
-`rollouts.pkl` the episodes in flight (rows queued, trajectories not consumed, suspended
-generations: rollout/snapshot.py). A checkpoint is written under a hidden name and
-renamed into place, then `latest` is updated, so a crash mid-write never leaves a checkpoint that
-looks complete.
+Every stateful part of a run saves and loads through its `state_dict` / `load_state_dict`: the
+policy engine (`trainer`) and the critic (`critic`) as sharded parts (every rank writes its own
+shards; any number of ranks resumes them), the loop's counters (`loop`), the data stream's
+position (`data`) and the rollout executor (`rollout`: its staleness counters and the episodes
+in flight, suspended for the checkpoint: rows queued, trajectories not consumed, generations cut
+mid-way with their tokens) as plain parts of rank 0. They all go to `state/` in one
+train/checkpoint.py `save_state`; a resume builds the same parts and loads them in one
+`load_state`. `policy/` is an export, not state: a plain HF model directory written by
+save_pretrained (config, generation config, safetensors sharded by `checkpoint_shard_size` with
+an index, tokenizer and chat template) that transformers, `asyncrl eval`, `asyncrl serve` or
+vLLM load directly (with `train.lora` the adapter merged in; `adapter/` holds the adapter alone,
+as `PeftModel.save_pretrained` writes it). `state.json` says what the checkpoint holds, for a
+reader; it is written last, so a directory without it is incomplete. A checkpoint is written
+under a hidden name and renamed into place, then `latest` is updated, so a crash mid-write never
+leaves a checkpoint that looks complete.
 
 This module owns that layout: saving and resuming (`latest_checkpoint`) as well as finding the
 policy that `asyncrl eval` loads (`find_policy_dir`) go through the names below.
@@ -23,32 +27,108 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.api import Stateful
 from asyncrl.errors import UserError
 from asyncrl.models.config import DEFAULT_SHARD_SIZE
+from asyncrl.train.checkpoint import load_state, save_state
+from asyncrl.train.parallel import Parallelism
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # a file in CHECKPOINTS holding the newest step directory's name
+STATE_DIR = "state"  # every part's state (train/checkpoint.py)
 POLICY = "policy"
-TRAINER = "trainer"  # the policy engine's full state (train/checkpoint.py)
-CRITIC = "critic"  # the critic engine's, when the run has one
 ADAPTER = "adapter"  # train.lora: the LoRA adapter (PEFT format); policy/ holds it merged
-STATE = "state.json"
-ROLLOUTS = "rollouts.pkl"  # the executor's snapshot of the episodes in flight
+SUMMARY = "state.json"
 STEP_NAME = re.compile(r"step_(\d+)")
 
 
 @dataclass
 class LoopState:
-    step: int
-    data_position: int
-    train_seconds: float  # training wall time so far (evals and checkpoints excluded)
-    wall_seconds: float
-    rollout: dict[str, Any] = field(default_factory=dict)  # WorkflowExecutor.state_dict()
-    in_flight: dict[str, int] = field(default_factory=dict)  # RolloutSnapshot.counts()
+    """The loop's own counters (a plain part of every checkpoint)."""
+
+    step: int = 0
+    train_seconds: float = 0.0  # training wall time so far (evals and checkpoints excluded)
+    wall_seconds: float = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.train_seconds = state["step"], state["train_seconds"]
+        self.wall_seconds = state["wall_seconds"]
+
+
+@dataclass(frozen=True)
+class PolicyExport:
+    """What `policy/` is written from: the policy engine (its full weights are gathered), the
+    tokenizer, and the largest safetensors file."""
+
+    engine: Any  # train.engine.HFTrainEngine
+    tokenizer: Any
+    shard_size: int | str = DEFAULT_SHARD_SIZE
+
+
+class RunCheckpointer:
+    """A run's stateful parts, registered once; every rank of a torchrun group has one (with the
+    same sharded parts; the plain ones are rank 0's) and calls `save` / `load` together."""
+
+    def __init__(self, run_dir: Path, parallel: Parallelism, sharded: Mapping[str, Stateful],
+                 plain: Mapping[str, Stateful] | None = None,
+                 export: PolicyExport | None = None, keep: int = 3) -> None:
+        self.run_dir, self.parallel = Path(run_dir), parallel
+        self.sharded, self.plain = dict(sharded), dict(plain or {})
+        self.export, self.keep = export, keep
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint `step` (every rank calls); its directory."""
+        final = step_dir(self.run_dir, step)
+        tmp = final.parent / f".{final.name}.tmp"
+        writer = self.parallel.rank == 0
+        if writer and tmp.exists():
+            shutil.rmtree(tmp)
+        if self.export is not None:
+            self._export(tmp)
+        save_state(tmp / STATE_DIR, self.parallel, self.sharded, self.plain)
+        if not writer:
+            return final
+        summary = {name: part.state_dict() for name, part in self.plain.items()}
+        (tmp / SUMMARY).write_text(json.dumps(summary, indent=2, default=repr))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest = final.parent / LATEST
+        latest.with_suffix(".tmp").write_text(final.name)
+        os.replace(latest.with_suffix(".tmp"), latest)
+        _prune(final.parent, self.keep)
+        return final
+
+    def load(self, ckpt: Path) -> None:
+        """Restore every registered part from checkpoint directory `ckpt` (every rank calls)."""
+        load_state(ckpt / STATE_DIR, self.parallel, self.sharded, self.plain)
+
+    def _export(self, tmp: Path) -> None:
+        """policy/ (and adapter/ with LoRA): gathered on every rank, written by rank 0."""
+        from asyncrl.models.export import save_weights_dir
+
+        engine, writer = self.export.engine, self.parallel.rank == 0
+        weights = engine.model_state_dict()  # full on rank 0 (collective under FSDP)
+        if writer:
+            save_weights_dir(weights, engine.model.config, tmp / POLICY, self.export.tokenizer,
+                             generation_config=getattr(engine.model, "generation_config", None),
+                             max_shard_size=self.export.shard_size)
+        del weights  # under FSDP rank 0's gathered copy: gone before the state is saved
+        if engine.lora is not None:  # the adapter, PEFT's layout
+            from asyncrl.models.lora import write_adapter_dir
+            from asyncrl.train.lora import peft_config_dict
+
+            adapter = engine.adapter_state_dict()  # collective under FSDP (per matrix)
+            if writer:
+                write_adapter_dir(adapter, peft_config_dict(engine.model), tmp / ADAPTER)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -71,61 +151,6 @@ def read_latest(checkpoints: Path) -> str | None:
     return marker.read_text().strip() if marker.is_file() else None
 
 
-def save_run_checkpoint(run_dir: Path, state: LoopState, trainer: Any, tokenizer: Any,
-                        keep: int, critic: Any = None, rollouts: Any = None,
-                        shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
-    """Every trainer rank calls this (the weights are gathered for policy/ and the sharded
-    training state written collectively); rank 0 writes the other files. A critic (estimator
-    gae) is saved under `critic/`, the episodes in flight (`rollouts`, a RolloutSnapshot,
-    rank 0's) as `rollouts.pkl`. `policy/` is written by save_pretrained (safetensors files of
-    at most `shard_size`, the base model's generation config, the tokenizer)."""
-    from asyncrl.models.export import save_weights_dir
-    from asyncrl.train.checkpoint import save_state
-
-    final = step_dir(run_dir, state.step)
-    tmp = final.parent / f".{final.name}.tmp"
-    weights = trainer.model_state_dict()  # full on rank 0 (collective under FSDP)
-    writer = trainer.rank == 0
-    if writer:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        save_weights_dir(weights, trainer.model.config, tmp / POLICY, tokenizer,
-                         generation_config=getattr(trainer.model, "generation_config", None),
-                         max_shard_size=shard_size)
-        del weights  # under FSDP rank 0's gathered copy: gone before the DCP save below
-    if getattr(trainer, "lora", None) is not None:  # train.lora: the adapter, PEFT's layout
-        _save_adapter(trainer, tmp / ADAPTER)  # collective under FSDP (one gather per matrix)
-    # policy/ holds the full weights already: the trainer state keeps only its shards (the
-    # critic keeps its model.safetensors: the one unsharded copy of the value model)
-    save_state(tmp / TRAINER, trainer.parallel, {"engine": trainer})
-    if critic is not None:
-        save_state(tmp / CRITIC, critic.parallel, {"engine": critic})
-    if not writer:
-        return final
-    if rollouts is not None:
-        rollouts.save(tmp / ROLLOUTS)
-    (tmp / STATE).write_text(json.dumps(asdict(state), indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest = final.parent / LATEST
-    latest.with_suffix(".tmp").write_text(final.name)
-    os.replace(latest.with_suffix(".tmp"), latest)
-    _prune(final.parent, keep)
-    return final
-
-
-def _save_adapter(trainer: Any, path: Path) -> None:
-    """PeftModel.save_pretrained's files, loadable onto the base model by PEFT or vLLM."""
-    from asyncrl.models.lora import write_adapter_dir
-    from asyncrl.train.lora import peft_config_dict
-
-    adapter = trainer.adapter_state_dict()
-    if trainer.rank == 0:
-        write_adapter_dir(adapter, peft_config_dict(trainer.model), path)
-
-
 def _prune(checkpoints: Path, keep: int) -> None:
     if keep <= 0:
         return
@@ -140,24 +165,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     name = read_latest(checkpoints)
     named = [checkpoints / name] if name else []
     for path in [*named, *reversed(step_dirs(checkpoints))]:
-        if (path / STATE).is_file():
+        if (path / SUMMARY).is_file():
             return path
     raise UserError(f"--resume {run_dir}: no checkpoint found under {checkpoints} "
                     "(expected step_NNNNNN/ directories written by asyncrl train)")
-
-
-def load_loop_state(ckpt: Path) -> LoopState:
-    state = json.loads((ckpt / STATE).read_text())
-    state.pop("version", None)  # written by earlier releases; the trainer's state holds it
-    return LoopState(**state)
-
-
-def load_rollouts(ckpt: Path) -> Any:
-    """The checkpoint's RolloutSnapshot, or None (written before episodes were kept)."""
-    from asyncrl.rollout.snapshot import RolloutSnapshot
-
-    path = ckpt / ROLLOUTS
-    return RolloutSnapshot.load(path) if path.is_file() else None
 
 
 def _is_model_dir(p: Path) -> bool:

@@ -1,23 +1,19 @@
-"""`asyncrl train` and `Trainer`: the asynchronous GRPO/PPO loop, end to end.
+"""`asyncrl train` and `Trainer`: the one place a training job is decided and wired.
 
-    Trainer(config).train(workflow=..., eval_workflow=..., loss=...)
-    engines generate continuously (executor, staleness bound eta)
-    loop:  batch = prepare_batch()            oldest first, never staler than eta
-           actor.train_step(batch)            [ref logprobs] -> [proximal] -> advantages -> PPO
-           push weights, version + 1          in-flight sequences continue under new weights
-           eval every K / checkpoint every K / log, plot, progress
+    Trainer(config).train(workflow=..., reward=..., loss=...)
+      -> the launcher runs `run_rank(job)` where the job belongs: here (one process, or each
+         torchrun rank), or in each trainer rank's actor on a Ray cluster
+    run_rank: every rank builds the trainer (FSDP2 under torchrun); rank 0 also builds the
+      rollout side (engines, workflow, executor), the data stream, the logger, and registers
+      every stateful part with the checkpointer; a resume loads them all; then rank 0 runs
+      `TrainLoop(parts, context)` (launch/train_loop.py) and the other ranks follow its steps.
 
-The workflow is anything `launch/workflows.py` resolves (a RolloutWorkflow, an agent, a reward
-function, a dotted path, or the config's); the loop only talks to it through protocols: its
-episodes, its `aevaluate` (api.Evaluator), its `metrics()` (api.ReportsMetrics) and `aclose`.
-
-Ctrl-C (or SIGTERM) asks the loop to stop after the current step: it writes a checkpoint and
-shuts everything down (server processes included); a second Ctrl-C stops at once. `--resume RUN`
-continues from the run's latest checkpoint: weights, optimizer, LR schedule, RNG, policy version,
-data position, staleness counters, elapsed time, the metrics curve, and the episodes that were in
-flight (every checkpoint suspends them and keeps their rows, unconsumed trajectories and partial
-generations; they continue from the tokens they had). A run that cannot form a batch stops with
-an error saying why (launch/watchdog.py); every wait of the loop has a time limit.
+`Trainer.train` takes objects: a RolloutWorkflow or an agent (`workflow`), an Evaluator or
+workflow to evaluate with (`eval_workflow`), a reward function for the built-in workflows
+(`reward`), a PolicyLoss (`loss`); what is not given comes from the config's plugin sections.
+`resume=True` continues the run directory from its latest checkpoint: weights, optimizer, LR
+schedule, RNG, policy version, data position, staleness counters, elapsed time, the metrics
+curve, and the episodes that were in flight (they continue from the tokens they had).
 """
 
 from __future__ import annotations
@@ -25,87 +21,129 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import signal
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from asyncrl.api import PolicyLoss
+from asyncrl.api import Closable, PolicyLoss, ReportsMetrics, RolloutWorkflow, Stateful
+from asyncrl.config import parse_override, set_dotted
+from asyncrl.errors import UserError
 from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.launch.data_stream import DataStream
-from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.devices import check_engine_placement
 from asyncrl.launch.devices import resolve as resolve_device
-from asyncrl.launch.ray_trainer import RANK_ENV, run_on_ray
+from asyncrl.launch.judge_engine import open_run_reward
+from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
-from asyncrl.launch.run_checkpoints import (CRITIC, TRAINER, LoopState, latest_checkpoint,
-                                            load_loop_state)
+from asyncrl.launch.rollout_monitor import RolloutMonitor
+from asyncrl.launch.run_checkpoints import (LoopState, PolicyExport, RunCheckpointer,
+                                            latest_checkpoint)
 from asyncrl.launch.run_logger import RunLogger
 from asyncrl.launch.train_config import CONFIG_FILE, TrainRunConfig
-from asyncrl.launch.train_loop import TrainLoop, bounded
-from asyncrl.launch.trainer_group import (
-    TrainerGroup,
-    broadcast,
-    is_distributed,
-    leave_process_group,
-    load_critic,
-    load_engine,
-    rank,
-)
+from asyncrl.launch.train_loop import (LoopParts, RunContext, StopRequest, TrainLoop,
+                                       TrainResult, bounded)
+from asyncrl.launch.trainer_group import (TrainerGroup, broadcast, is_distributed,
+                                          leave_process_group, load_critic, load_engine, rank)
 from asyncrl.launch.weight_check import LogprobCheck
-from asyncrl.launch.workflows import (WorkflowContext, resolve_evaluator, resolve_loss,
-                                      resolve_workflow)
+from asyncrl.launch.workflows import (AgentWorkflowConfig, WorkflowContext, evaluator_for,
+                                      workflow_from_object)
 from asyncrl.models.loading import load_tokenizer, resolve_model_dir
-from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.rollout.executor import WorkflowExecutor
-from asyncrl.train.lora import peft_config_dict
 from asyncrl.train.config import lora_enabled
+from asyncrl.train.heads import LogprobHead
+from asyncrl.train.ppo_actor import PPOActor
 
 
+@dataclass(frozen=True)
+class TrainJob:
+    """What one training run is (picklable: a Ray launcher ships it to every rank)."""
 
-@dataclass
-class TrainResult:
+    cfg: TrainRunConfig
     run_dir: Path
-    steps: int
-    train_seconds: float
-    wall_seconds: float
-    initial_accuracy: float | None
-    final_accuracy: float | None
-    evals: list[tuple[int, float, float]] = field(default_factory=list)  # step, train s, acc
-    stopped_by: str = "total_steps"
+    workflow: Any = None  # a RolloutWorkflow or an agent; None: cfg.workflow
+    eval_workflow: Any = None  # an Evaluator or a workflow; None: the workflow's own
+    reward: Any = None  # a reward function for the built-in workflows; None: cfg.reward
+    loss: PolicyLoss | None = None  # None: cfg.actor.loss
+    resume: bool = False
 
 
-class StopRequest:
-    """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: KeyboardInterrupt now."""
+class Trainer:
+    """The asynchronous RL trainer: `Trainer(config).train(workflow=...)`.
 
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
+    `config`: a TrainRunConfig, a YAML path, or a dict of its fields (with `overrides`, dotted
+    `key=value` strings, on top). `run_dir`: where logs, checkpoints and the resolved config go
+    (default: `config.output_dir`, else runs/<UTC timestamp>).
+    """
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+    def __init__(self, config: TrainRunConfig | str | Path | dict[str, Any], *,
+                 run_dir: str | Path | None = None,
+                 overrides: list[str] | tuple[str, ...] = ()) -> None:
+        if isinstance(config, (str, Path)):
+            config = TrainRunConfig.load(str(config), list(overrides))
+        elif isinstance(config, dict) or overrides:
+            data = config if isinstance(config, dict) else config.to_dict()
+            for item in overrides:
+                set_dotted(data, *parse_override(item))
+            config = TrainRunConfig.from_dict(data)
+        self.cfg = config
+        self.run_dir = Path(run_dir) if run_dir is not None else (
+            Path(config.output_dir) if config.output_dir else default_run_dir())
 
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
+    def train(self, workflow: Any = None, *, eval_workflow: Any = None, reward: Any = None,
+              loss: PolicyLoss | None = None, resume: bool = False) -> TrainResult:
+        """Train until `total_steps` or `max_train_seconds`, or Ctrl-C; returns the result.
 
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        `workflow`: a RolloutWorkflow (`async def arun_episode(engine, data)`) or an agent
+        (`async def run(data, **kw)`, an object or its class). `eval_workflow`: an Evaluator
+        (`async def aevaluate(engine, rows)`) or a workflow (None: the workflow's own
+        `aevaluate`, else one episode per held-out row). `reward`: `reward(completion, row)`,
+        sync or async, for the config's built-in workflow. `loss`: a PolicyLoss. `resume`:
+        continue `run_dir` from its latest checkpoint.
+        """
+        job = TrainJob(self.cfg, self.run_dir, workflow, eval_workflow, reward, loss, resume)
+        return self.cfg.launcher.build().run(job, run_rank)
 
 
 def default_run_dir() -> Path:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     return Path("runs") / stamp
+
+
+def run_rank(job: TrainJob) -> TrainResult:
+    """The job on this process: every torchrun (or Ray) rank calls it; rank 0 leads."""
+    cfg = job.cfg
+    # a GPU trainer with a CPU in-process engine is refused before anything loads
+    check_engine_placement(resolve_device(cfg.train.device), cfg.inference.mode,
+                           cfg.inference.engine)
+    if is_distributed():
+        from asyncrl.train.fsdp import init_distributed
+
+        init_distributed()
+    leader = rank() == 0
+    console = Console(stderr=True, quiet=not leader)
+    if leader:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(job.run_dir / CONFIG_FILE)
+    torch.manual_seed(cfg.seed)
+    try:
+        with trainer_threads(cfg):
+            base = resolve_base_model(cfg, console)  # every rank takes part in a warm start
+            ckpt = broadcast(latest_checkpoint(job.run_dir) if job.resume and leader else None)
+            tokenizer = load_tokenizer(base, cfg.model.trust_remote_code)
+            group = build_trainer(cfg, base, tokenizer, job.loss)
+            if not leader:
+                group.follow(checkpointer(job, group, tokenizer))
+                return TrainResult(job.run_dir)
+            try:
+                return lead(job, group, base, tokenizer, ckpt, console)
+            finally:
+                group.stop()
+    finally:
+        leave_process_group()
 
 
 def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
@@ -139,210 +177,135 @@ def trainer_threads(cfg: TrainRunConfig) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@dataclass
-class _Plugins:
-    """What the caller of `train` passed (objects or dotted paths; None: the config's)."""
-
-    workflow: Any = None
-    workflow_kwargs: dict[str, Any] | None = None
-    eval_workflow: Any = None
-    loss: Any = None
-
-
-class Trainer:
-    """The asynchronous RL trainer: `Trainer(config).train(workflow=...)`.
-
-    `config`: a TrainRunConfig, a YAML path, or a dict of its fields (with `overrides`, dotted
-    `key=value` strings, on top). `run_dir`: where logs, checkpoints and the resolved config go
-    (default: `config.output_dir`, else runs/<UTC timestamp>).
-    """
-
-    def __init__(self, config: TrainRunConfig | str | Path | dict[str, Any], *,
-                 run_dir: str | Path | None = None, console: Console | None = None,
-                 overrides: list[str] | tuple[str, ...] = ()) -> None:
-        if isinstance(config, (str, Path)):
-            config = TrainRunConfig.load(str(config), list(overrides))
-        elif isinstance(config, dict):
-            config = TrainRunConfig.from_dict(config)
-        elif overrides:
-            config = TrainRunConfig.from_dict(_with_overrides(config.to_dict(), overrides))
-        self.cfg = config
-        self.run_dir = Path(run_dir) if run_dir is not None else (
-            Path(config.output_dir) if config.output_dir else default_run_dir())
-        self.console = console or Console(stderr=True)
-        self.resume = False
-        self.plugins = _Plugins()
-        self.result = TrainResult(self.run_dir, 0, 0.0, 0.0, None, None)
-
-    def train(self, workflow: Any = None, *, eval_workflow: Any = None, loss: Any = None,
-              workflow_kwargs: dict[str, Any] | None = None,
-              resume: bool = False) -> TrainResult:
-        """Train until `total_steps` or `max_train_seconds`, or Ctrl-C; returns the result.
-
-        `workflow`: a RolloutWorkflow (`async def arun_episode(engine, data)`), an agent
-        (`async def run(data, **kw)`), a reward function, or "package.module:Name" (a class or
-        factory called with `workflow_kwargs`); None: the config's `workflow`. `eval_workflow`:
-        the same kinds, for evaluation (None: the workflow's own `aevaluate`, else one episode
-        per held-out row). `loss`: a PolicyLoss object or dotted path (None: `actor.loss`).
-        `resume`: continue `run_dir` from its latest checkpoint.
-        """
-        self.plugins = _Plugins(workflow, workflow_kwargs, eval_workflow, loss)
-        self.resume = resume
-        if self.cfg.launcher == "ray" and not os.environ.get(RANK_ENV):
-            return run_on_ray(self)  # the driver: each rank actor runs `_run` below
-        return self._run()
-
-    # ---- the job --------------------------------------------------------------------------------
-    def _run(self) -> TrainResult:
-        """Under torchrun every rank calls this; rank 0 leads, the others follow its trainer."""
-        cfg = self.cfg
-        # a GPU trainer with a CPU in-process engine is refused before anything loads
-        check_engine_placement(resolve_device(cfg.train.device), cfg.inference.mode,
-                               cfg.inference.engine)
-        if is_distributed():
-            from asyncrl.train.fsdp import init_distributed
-
-            init_distributed()
-        leader = rank() == 0
-        if leader:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir / CONFIG_FILE)
-        torch.manual_seed(cfg.seed)
-        with trainer_threads(cfg):
-            # every rank takes part in the SFT warm start (FSDP2 under torchrun); rank 0
-            # decides what to resume, the others are told
-            base = resolve_base_model(cfg, self.console if leader else Console(quiet=True))
-            state, policy_dir, self.ckpt, self.base = broadcast(
-                self._initial_state(base) if leader else None)
-            tokenizer = load_tokenizer(policy_dir, cfg.model.trust_remote_code)
-            group = self._build_trainer(policy_dir, tokenizer)
-            try:
-                if not leader:
-                    group.follow()
-                    return self.result
-                try:
-                    self._lead(state, policy_dir, tokenizer, group)
-                finally:
-                    group.stop()
-                return self.result
-            finally:
-                leave_process_group()
-
-    def _lead(self, state: LoopState, policy_dir: Path, tokenizer: Any,
-              group: TrainerGroup) -> None:
-        cfg = self.cfg
-        dataset = cfg.data.build()
-        self.eval_rows = dataset.eval_rows()[: cfg.eval.size]
-        with contextlib.ExitStack() as stack:
-            reward_fn = stack.enter_context(open_run_reward(cfg.reward))
-            engines = stack.enter_context(open_rollout_engines(
-                cfg.inference.trusting(cfg.model.trust_remote_code), policy_dir,
-                self.run_dir / "logs",
-                lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                version=group.trainer.version.value,
-                ray_cfg=cfg.ray if cfg.launcher == "ray" else None,
-                shard_size=cfg.checkpoint_shard_size,
-                lora=LoraServing(cfg.train.lora.r, cfg.rollout.max_head_offpolicyness + 1)
-                if lora_enabled(cfg.train.lora) else None))
-            rollout_cfg = cfg.rollout.model_copy(
-                update={"dump_dir": cfg.rollout.dump_dir or str(self.run_dir / "rollouts")})
-            # the executor follows the version the engines serve (the trainer's, once pushed)
-            executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg,
-                                                            engines.version))
-            if self.resume:
-                executor.load_state_dict(state.rollout)
-            ctx = WorkflowContext(cfg, tokenizer, engines.engine, reward_fn, getattr(
-                group.trainer.model.config, "max_position_embeddings", None))
-            workflow = resolve_workflow(self.plugins.workflow, ctx, self.plugins.workflow_kwargs)
-            evaluator = resolve_evaluator(self.plugins.eval_workflow, workflow, ctx)
-            engines.check = self._logprob_check(group, tokenizer)
-            limit = cfg.watchdog.sync_timeout_s
-            if group.trainer.lora is not None:  # pushes are adapters; the engines hold the base
-                engines.adapter = AdapterSpec(group.trainer.lora.scale,
-                                              peft_config_dict(group.trainer.model),
-                                              cfg.rollout.max_head_offpolicyness + 1)
-                if group.trainer.version.value > 0:  # resumed: the checkpoint's adapter first
-                    bounded(executor, engines.push(group.state_dict(),
-                                                   group.trainer.version.value), limit,
-                            "the adapter push of the resumed checkpoint",
-                            "watchdog.sync_timeout_s")
-            bounded(executor, engines.start_checks(group.trainer.version.value), limit,
-                     "the servers' start-up checks", "watchdog.sync_timeout_s")
-            if engines.remote and group.trainer.version.value > 0 and engines.adapter is None:
-                # servers started from a checkpoint report version 0: one push labels them
-                bounded(executor, engines.push(group.state_dict(), group.trainer.version.value,
-                                                group.trainer.model.config, tokenizer), limit,
-                         "the weight push of the resumed checkpoint", "watchdog.sync_timeout_s")
-            stream = DataStream(dataset.train_rows(), cfg.seed, state.data_position)
-            logger = stack.enter_context(RunLogger(
-                self.run_dir, cfg.logging, config=cfg.model_dump(mode="json"),
-                resume_step=state.step if self.resume else None))
-            progress = stack.enter_context(TrainProgress(
-                cfg.total_steps, cfg.max_train_seconds, self.console, start_step=state.step))
-            stop = stack.enter_context(StopRequest())
-            TrainLoop(self, state, tokenizer, workflow, evaluator, engines, group, executor,
-                      stream, logger, progress, stop, reward_fn).run()
-
-    def _logprob_check(self, group: TrainerGroup, tokenizer: Any) -> LogprobCheck | None:
-        """The post-update canary: the first two eval rows' prompts (in-distribution text)."""
-        from asyncrl.models.chat import encode_chat_prompt
-
-        cfg = self.cfg
-        rows = [r for r in self.eval_rows[:2] if "messages" in r]
-        if not rows:
-            return None
-        kwargs = cfg.model.template_kwargs()
-        prompts = [encode_chat_prompt(tokenizer, r["messages"], template_kwargs=kwargs)
-                   for r in rows]
-        return LogprobCheck(group.score, prompts, cfg.gconfig.temperature,
-                            cfg.inference.check_logprobs_tolerance)
-
-    def _initial_state(self, base: Path) -> tuple[LoopState, Path, Path | None, Path]:
-        """(loop state, weights the engines start from, checkpoint to load, base model)."""
-        if self.resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            state = load_loop_state(ckpt)
-            self.console.print(f"resuming {self.run_dir} from {ckpt.name} (step {state.step})")
-            # LoRA: engines merge adapters into the base model they start from, and the trainer
-            # restores base + adapter from the checkpoint's state
-            start = base if lora_enabled(self.cfg.train.lora) else ckpt / "policy"
-            return state, start, ckpt, base
-        return LoopState(0, 0, 0.0, 0.0), base, None, base
-
-    def _build_trainer(self, policy_dir: Path, tokenizer: Any) -> TrainerGroup:
-        from asyncrl.train.checkpoint import load_state
-        from asyncrl.train.heads import LogprobHead
-
-        cfg = self.cfg
-        # the LR schedule counts optimizer steps: ppo_n_minibatches per policy version
-        steps = cfg.total_steps * cfg.actor.ppo_n_minibatches
-        trust = cfg.model.trust_remote_code
-        head = LogprobHead(cfg.gconfig.temperature)  # the sampler's
-        trainer = load_engine(policy_dir, cfg.train, cfg.model.dtype, trust, total_steps=steps,
-                              head=head, lora=cfg.train.lora)
-        if self.ckpt is not None:  # weights, optimizer, RNG and the version
-            load_state(self.ckpt / TRAINER, trainer.parallel, {"engine": trainer})
-        ref = None
-        if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
-            ref = load_engine(self.base, cfg.train, cfg.model.dtype, trust, head=head,
-                              trainable=False)
-        critic = None
-        if cfg.actor.advantage.estimator == "gae":  # a fresh value head on the base model's body
-            critic = load_critic(self.base, cfg.critic, cfg.model.dtype, steps, trust)
-            if self.ckpt is not None:
-                load_state(self.ckpt / CRITIC, critic.parallel, {"engine": critic})
-        loss: PolicyLoss | None = resolve_loss(self.plugins.loss, cfg)
-        return TrainerGroup(trainer, cfg.actor, ref, tokenizer, loss, critic,
-                            cfg.critic.value_eps_clip)
+def build_trainer(cfg: TrainRunConfig, base: Path, tokenizer: Any,
+                  loss: PolicyLoss | None) -> TrainerGroup:
+    """The policy (from the base model; a resume loads its state later), the reference when
+    the KL term is on, the critic for GAE, and the actor driving them."""
+    steps = cfg.total_steps * cfg.actor.ppo_n_minibatches  # the LR schedule's optimizer steps
+    trust = cfg.model.trust_remote_code
+    head = LogprobHead(cfg.gconfig.temperature)  # the sampler's
+    policy = load_engine(base, cfg.train, cfg.model.dtype, trust, total_steps=steps, head=head,
+                         lora=cfg.train.lora)
+    ref = None
+    if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
+        ref = load_engine(base, cfg.train, cfg.model.dtype, trust, head=head, trainable=False)
+    critic = None
+    if cfg.actor.advantage.estimator == "gae":  # a fresh value head on the base model's body
+        critic = load_critic(base, cfg.critic, cfg.model.dtype, steps, trust)
+    if loss is not None and not isinstance(loss, PolicyLoss):
+        raise UserError(f"loss {loss!r} is not a PolicyLoss: a callable loss(logprobs, inputs, "
+                        "normalizer) -> (loss, stats) with `normalize_by` and `needs_entropy`")
+    actor = PPOActor(policy, cfg.actor, ref, loss, critic, cfg.critic.value_eps_clip)
+    return TrainerGroup(policy, actor, tokenizer)
 
 
-def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
-                    ) -> dict[str, Any]:
-    from asyncrl.config import parse_override, set_dotted
+def checkpointer(job: TrainJob, group: TrainerGroup, tokenizer: Any,
+                 plain: dict[str, Stateful] | None = None) -> RunCheckpointer:
+    """Where every stateful part of the run is registered: the trainer's (the same on every
+    rank, in this order) and rank 0's `plain` ones; every rank exports policy/ together."""
+    sharded: dict[str, Stateful] = {"trainer": group.trainer}
+    if group.actor.critic is not None:
+        sharded["critic"] = group.actor.critic
+    return RunCheckpointer(job.run_dir, group.trainer.parallel, sharded, plain,
+                           PolicyExport(group.trainer, tokenizer, job.cfg.checkpoint_shard_size))
 
-    for item in overrides:
-        set_dotted(data, *parse_override(item))
-    return data
+
+def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: Path | None,
+         console: Console) -> TrainResult:
+    """Rank 0: build the rollout side and the run's bookkeeping, load a checkpoint, loop."""
+    cfg = job.cfg
+    dataset = cfg.data.build()
+    eval_rows = dataset.eval_rows()[: cfg.eval.size]
+    trainer = group.trainer
+    state, stream = LoopState(), DataStream(dataset.train_rows(), cfg.seed)
+    monitor = RolloutMonitor(cfg.filter_uniform_groups)
+    with contextlib.ExitStack() as stack:
+        reward = job.reward
+        if reward is None:
+            reward = stack.enter_context(open_run_reward(cfg.reward))
+        lora = lora_enabled(cfg.train.lora)
+        engines = stack.enter_context(open_rollout_engines(
+            cfg.inference.trusting(cfg.model.trust_remote_code), base, job.run_dir / "logs",
+            cfg.launcher.build(), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            shard_size=cfg.checkpoint_shard_size,
+            lora=LoraServing(cfg.train.lora.r, cfg.rollout.max_head_offpolicyness + 1)
+            if lora else None,
+            check=logprob_check(cfg, group, tokenizer, eval_rows),
+            adapter=adapter_spec(cfg, trainer) if lora else None))
+        ctx = WorkflowContext(tokenizer, engines.engine, reward, cfg.gconfig, cfg.model,
+                              cfg.eval, context_length(cfg, trainer))
+        workflow = the_workflow(job, ctx)
+        evaluator = evaluator_for(job.eval_workflow, workflow, ctx, cfg.eval.concurrency)
+        rollout_cfg = cfg.rollout.model_copy(
+            update={"dump_dir": cfg.rollout.dump_dir or str(job.run_dir / "rollouts")})
+        # the executor follows the version the engines serve (the trainer's, once pushed)
+        executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg, workflow,
+                                                        engines.version, monitor.accept))
+        saver = checkpointer(job, group, tokenizer,
+                             {"loop": state, "data": stream, "rollout": executor})
+        limit = cfg.watchdog.sync_timeout_s
+        bounded(executor, engines.check_servers(), limit, "the servers' start-up checks",
+                "watchdog.sync_timeout_s")
+        if ckpt is not None:
+            console.print(f"resuming {job.run_dir} from {ckpt.name}")
+            group.load(saver, ckpt)
+            # the engines started from the base model: the checkpoint's weights, labelled
+            bounded(executor, engines.push(group.state_dict(), trainer.version.value), limit,
+                    "the weight push of the resumed checkpoint", "watchdog.sync_timeout_s")
+        bounded(executor, engines.canary(trainer.version.value), limit,
+                "the start-up logprob check", "watchdog.sync_timeout_s")
+        logger = stack.enter_context(RunLogger(
+            job.run_dir, cfg.logging, config=cfg.model_dump(mode="json"),
+            resume_step=state.step if ckpt is not None else None))
+        progress = stack.enter_context(TrainProgress(
+            cfg.total_steps, cfg.max_train_seconds, console, start_step=state.step))
+        stop = stack.enter_context(StopRequest())
+        parts = LoopParts(group, engines, executor, evaluator, stream, monitor, saver,
+                          logger, progress, stop,
+                          reporters=tuple(r for r in (workflow, reward)
+                                          if isinstance(r, ReportsMetrics)),
+                          closables=tuple(w for w in (workflow,) if isinstance(w, Closable)))
+        return TrainLoop(parts, RunContext(cfg, job.run_dir, eval_rows, state)).run()
 
 
-__all__ = ["TrainResult", "TrainRunConfig", "Trainer"]
+def the_workflow(job: TrainJob, ctx: WorkflowContext) -> RolloutWorkflow:
+    """The job's workflow object, else the one its config builds."""
+    cfg = job.cfg
+    if job.workflow is None:
+        return cfg.workflow.build(ctx)
+    agent_cfg = cfg.workflow if isinstance(cfg.workflow, AgentWorkflowConfig) else \
+        AgentWorkflowConfig()
+    return workflow_from_object(job.workflow, agent_cfg, ctx)
+
+
+def context_length(cfg: TrainRunConfig, trainer: Any) -> int | None:
+    """The longest sequence the engines take: the model's, or the in-process engine's own."""
+    model = getattr(trainer.model.config, "max_position_embeddings", None)
+    engine = cfg.inference.engine.max_seq_len if cfg.inference.mode == "inprocess" else None
+    return min(n for n in (model, engine) if n is not None) if model or engine else None
+
+
+def logprob_check(cfg: TrainRunConfig, group: TrainerGroup, tokenizer: Any,
+                  eval_rows: list[dict[str, Any]]) -> LogprobCheck | None:
+    """The post-update canary: the first two eval rows' prompts (in-distribution text)."""
+    from asyncrl.models.chat import encode_chat_prompt
+
+    rows = [r for r in eval_rows[:2] if "messages" in r]
+    if not rows:
+        return None
+    kwargs = cfg.model.template_kwargs()
+    prompts = [encode_chat_prompt(tokenizer, r["messages"], template_kwargs=kwargs)
+               for r in rows]
+    return LogprobCheck(group.score, prompts, cfg.gconfig.temperature,
+                        cfg.inference.check_logprobs_tolerance)
+
+
+def adapter_spec(cfg: TrainRunConfig, trainer: Any) -> AdapterSpec:
+    """With train.lora, how pushes describe the adapter (engines hold the base model)."""
+    from asyncrl.train.lora import peft_config_dict
+
+    return AdapterSpec(trainer.lora.scale, peft_config_dict(trainer.model),
+                       cfg.rollout.max_head_offpolicyness + 1)
+
+
+__all__ = ["TrainJob", "TrainResult", "TrainRunConfig", "Trainer"]

@@ -1,80 +1,42 @@
 """The configuration of `asyncrl train`: every component's own config, nested.
 
 With `model.path` unset the job warm-starts the embedded tiny model on the synthetic task
-(`warm_start`, the same config and cache as `asyncrl sft`), which is the default main job.
+(`warm_start`, the same config and cache as `asyncrl sft`), which is the default main job. The
+pluggable parts (`data`, `reward`, `workflow`, `actor.loss`, `inference.backend`, `launcher`) are
+registered kinds (asyncrl/plugins.py); `plugins: [my_pkg.mod]` imports modules that register
+kinds of their own before the rest of the config is read. Loading this config imports no torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import pydantic
 
 from asyncrl.api import GenerationConfig
 from asyncrl.config import Config
-from asyncrl.errors import UserError
 from asyncrl.data.arithmetic import ArithmeticTaskConfig
 from asyncrl.data.dataset import DatasetConfig
-from asyncrl.inference.config import EngineSettings
-from asyncrl.inference.config import RemoteEngineConfig
-from asyncrl.rollout.answer_eval import EvalConfig
-from asyncrl.launch.ray_config import RayConfig
+from asyncrl.errors import UserError
+from asyncrl.inference.backend_protocol import LoraServing
+from asyncrl.inference.backends import BACKENDS, BackendConfig
+from asyncrl.inference.config import EngineSettings, RemoteEngineConfig
+from asyncrl.launch.launchers import LauncherConfig
 from asyncrl.launch.run_logger import LoggingConfig
 from asyncrl.launch.sft_config import SFTRunConfig
 from asyncrl.launch.watchdog import WatchdogConfig
-from asyncrl.models.config import DEFAULT_SHARD_SIZE, parse_shard_size
-from asyncrl.models.config import ModelConfig
-from asyncrl.proxy.config import AgentConfig
-from asyncrl.reward.config import RewardConfig, reward_config
+from asyncrl.launch.workflows import RLVRWorkflowConfig, WorkflowConfig
+from asyncrl.models.config import DEFAULT_SHARD_SIZE, ModelConfig, parse_shard_size
+from asyncrl.plugins import import_plugins
+from asyncrl.reward.config import RewardConfig
+from asyncrl.rollout.answer_eval import EvalConfig
 from asyncrl.rollout.executor import RolloutConfig
-from asyncrl.rollout.multi_turn import MultiTurnConfig
 from asyncrl.train.config import (CriticConfig, OptimizerConfig, PolicyTrainConfig,
-                                  PPOActorConfig, ProximalConfig)
-
+                                  PPOActorConfig, ProximalConfig, lora_enabled)
 
 CONFIG_FILE = "config.yaml"  # the resolved config of a run, in its directory
-
-
-class RLVRWorkflowConfig(Config):
-    """One prompt, `gconfig.n_samples` sampled answers, one reward each."""
-
-    kind: Literal["rlvr"] = "rlvr"  # the workflow: rlvr | multi_turn | agent | custom
-    # with model.reasoning_parser set, the reward reads only the answer after the reasoning
-    # (`</think>`); true: the whole reply (a reward on the reasoning's form or length). The
-    # trained tokens are the whole reply either way.
-    reward_sees_reasoning: bool = False
-
-
-class MultiTurnWorkflowConfig(MultiTurnConfig):
-    """Answer, feedback, retry; `gconfig.n_samples` episodes per prompt form the group."""
-
-    kind: Literal["multi_turn"] = "multi_turn"  # the workflow: rlvr | multi_turn | agent | custom
-
-
-class AgentWorkflowConfig(AgentConfig):
-    """Any agent program (`path: package.module:Class`) talking to the OpenAI-compatible proxy;
-    `gconfig.n_samples` runs per prompt form the group. The agent sets its own sampling
-    parameters per request; leave temperature unset (1.0) so it matches `train.temperature`."""
-
-    kind: Literal["agent"] = "agent"  # the workflow: rlvr | multi_turn | agent | custom
-
-
-class CustomWorkflowConfig(Config):
-    """Your own workflow: `path: package.module:Name` names a class or factory, called with
-    `kwargs` plus whichever of `tokenizer`, `gconfig`, `reward_fn`, `chat` (the model's chat
-    options) its signature asks for, or an instance. It must give an object with
-    `async def arun_episode(engine, data)` (a RolloutWorkflow) or an agent
-    (`async def run(data, **kw)`, run through the proxy).
-    `workflow: {path: ..., kwargs: ...}` without a kind means this one."""
-
-    kind: Literal["custom"] = "custom"  # the workflow: rlvr | multi_turn | agent | custom
-    path: str = pydantic.Field(description="package.module:ClassOrFactory")
-    kwargs: dict[str, Any] = {}  # keyword arguments of the class or factory
-
-
-WorkflowConfig = Annotated[RLVRWorkflowConfig | MultiTurnWorkflowConfig | AgentWorkflowConfig
-                           | CustomWorkflowConfig, pydantic.Field(discriminator="kind")]
+BROADCASTS = ("nccl", "gloo")
 
 
 class InferenceLaunchConfig(Config):
@@ -82,35 +44,36 @@ class InferenceLaunchConfig(Config):
 
     - inprocess: the built-in engine on a thread of the trainer process (smallest runs; weights
       are handed over in memory, in-flight sequences continue under the new version).
-    - local: `num_servers` servers of `backend` on 127.0.0.1, started and stopped by the job
-      (asyncrl serve; vLLM or SGLang from `server_python`, the interpreter that has them).
-    - remote: servers someone else runs (`remote.addresses`, `remote.backend`).
+    - local: `num_servers` servers of `backend`, started and stopped by the job (on this machine,
+      or placed by the launcher: Ray); vLLM or SGLang run from `server_python`, the interpreter
+      that has them.
+    - remote: servers of `backend` someone else runs (`remote.addresses`).
 
-    Weights reach servers as HTTP tensor buckets (asyncrl), a directory they load (every
-    backend) or a collective broadcast over NCCL / gloo (`nccl`, `gloo`: every backend; the
-    servers join a process group with the trainer); `weight_sync: auto` picks HTTP buckets
-    where the backend has them, else disk. Every server is
-    checked before use (version range, routes, logprobs mode), must report each new version,
-    and every `check_logprobs_every` updates every engine (in process too) generates on a small
-    canary batch whose logprobs the trainer compares with its own (a wrong model, a failed
-    reload or weights altered on the way show up there).
+    Weights reach servers as HTTP tensor buckets, a directory they load, or a collective
+    broadcast over NCCL / gloo (the servers join a process group with the trainer): each backend
+    declares which (`weight_syncs`), and `weight_sync: auto` picks HTTP buckets where the backend
+    has them, else disk. Every server is checked before use (version range, routes, logprobs
+    mode), must report each new version, and every `check_logprobs_every` updates every engine
+    (in process too) generates on a small canary batch whose logprobs the trainer compares with
+    its own (a wrong model, a failed reload or weights altered on the way show up there).
     """
 
     # where rollouts are generated (see above)
     mode: Literal["inprocess", "local", "remote"] = "inprocess"
-    # local: which servers to start (None: asyncrl); remote: taken from remote.backend
-    backend: Literal["asyncrl", "vllm", "sglang"] | None = None
+    # the servers' kind, a registered backend (asyncrl, vllm, sglang): which ones to start
+    # (local) or which ones run (remote)
+    backend: BackendConfig = pydantic.Field("asyncrl", description="asyncrl | vllm | sglang")
     num_servers: int = pydantic.Field(1, ge=1)  # local
     server_python: str | None = None  # local vllm/sglang: its python (default: this one)
     server_args: list[str] = []  # local: extra command-line arguments for every server
     # The engines' own settings (inference/engine.py), for the in-process engine and the servers
     # this job starts (vLLM / SGLang take max_num_seqs, dtype and num_threads). num_threads: an
     # in-process engine's kernels (the trainer keeps torch_threads), a server's whole process.
+    # trust_remote_code comes from model.trust_remote_code.
     engine: EngineSettings = EngineSettings(max_num_seqs=256, num_threads=1)
     startup_timeout_s: float = pydantic.Field(300.0, gt=0)  # local servers
-    remote: RemoteEngineConfig | None = None  # mode remote: the servers' addresses and backend
-    # nccl / gloo: a collective broadcast from the trainer to every server (a weight group the
-    # servers join; nccl between GPUs, gloo the same path over TCP on CPUs)
+    remote: RemoteEngineConfig | None = None  # mode remote: the servers' addresses
+    # how weights reach the servers (see above); nccl between GPUs, gloo the same path over TCP
     weight_sync: Literal["auto", "tensors", "disk", "nccl", "gloo"] = "auto"
     # size of one HTTP / broadcast weight bucket
     bucket_bytes: int = pydantic.Field(64 << 20, ge=1 << 16)
@@ -129,33 +92,25 @@ class InferenceLaunchConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> InferenceLaunchConfig:
+        kind, offered = self.backend.kind, self.backend.weight_syncs
         if self.mode == "remote" and self.remote is None:
             raise ValueError("inference.mode='remote' needs inference.remote.addresses "
                              "(e.g. [http://10.0.0.5:8000])")
-        if self.mode == "remote" and self.backend not in (None, self.remote.backend):
-            raise ValueError(f"inference.backend={self.backend!r} differs from inference.remote."
-                             f"backend={self.remote.backend!r}; remote servers take "
-                             "inference.remote.backend (set only that one)")
-        if self.mode == "inprocess" and self.backend not in (None, "asyncrl"):
-            raise ValueError(f"inference.backend={self.backend!r} needs inference.mode='local' "
-                             "(the job starts the servers) or 'remote'; 'inprocess' runs the "
-                             "built-in engine")
-        if self.mode == "inprocess" and self.weight_sync in ("nccl", "gloo"):
+        if self.mode == "inprocess" and kind != "asyncrl":
+            raise ValueError(f"inference.backend={kind!r} needs inference.mode='local' (the job "
+                             "starts the servers) or 'remote'; 'inprocess' runs the built-in "
+                             "engine")
+        if self.mode == "inprocess" and self.weight_sync in BROADCASTS:
             raise ValueError(f"inference.weight_sync={self.weight_sync!r} needs servers "
                              "(inference.mode 'local' or 'remote'); the in-process engine takes "
                              "the weights in memory (allowed: auto, tensors, disk)")
-        if self.weight_sync == "gloo" and self.server_backend == "vllm":
-            raise ValueError("inference.weight_sync='gloo' is not supported by backend 'vllm' "
-                             "(its weight transfer is NCCL only); allowed: auto, disk, nccl")
-        if self.weight_sync == "tensors" and self.server_backend != "asyncrl":
-            raise ValueError(f"inference.weight_sync='tensors' is not supported by backend "
-                             f"{self.server_backend!r} (no HTTP tensor route); allowed: auto, disk, nccl, "
-                             "gloo")
+        if self.mode != "inprocess" and self.weight_sync not in ("auto", *offered):
+            raise ValueError(f"inference.weight_sync={self.weight_sync!r} is not supported by "
+                             f"backend {kind!r}; allowed: auto, {', '.join(offered)}")
+        if self.engine.trust_remote_code:
+            raise ValueError("inference.engine.trust_remote_code follows model.trust_remote_code;"
+                             " set that one")
         return self
-
-    @property
-    def server_backend(self) -> str:
-        return self.remote.backend if self.mode == "remote" else self.backend or "asyncrl"
 
     @property
     def canary_every(self) -> int:
@@ -169,7 +124,8 @@ class InferenceLaunchConfig(Config):
         """'tensors', 'disk', 'nccl' or 'gloo', with auto resolved."""
         if self.weight_sync != "auto":
             return self.weight_sync
-        return "tensors" if self.server_backend == "asyncrl" else "disk"
+        return "tensors" if self.mode == "inprocess" or "tensors" in self.backend.weight_syncs \
+            else "disk"
 
     def trusting(self, trust_remote_code: bool) -> InferenceLaunchConfig:
         """This config with `model.trust_remote_code` passed on to the engines: the in-process
@@ -186,12 +142,15 @@ def _default_generation() -> GenerationConfig:
 
 
 class TrainRunConfig(Config):
+    # modules imported before the rest is read: they register kinds of their own (a reward,
+    # a backend, ...) that the sections below may name
+    plugins: list[str] = []
     model: ModelConfig = ModelConfig()
     warm_start: SFTRunConfig = SFTRunConfig()  # used when model.path is None
     data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)
     # a name (exact, digits, math, code), package.module:function, trl:package.module:function,
     # or a mapping with a kind (judge, function, trl, code): asyncrl/reward/config.py
-    reward: str | RewardConfig = pydantic.Field(
+    reward: RewardConfig = pydantic.Field(
         "exact", description="exact | digits | math | code | package.module:function | "
                              "trl:package.module:function | {kind: judge, ...}")
     workflow: WorkflowConfig = pydantic.Field(default_factory=RLVRWorkflowConfig)
@@ -227,24 +186,17 @@ class TrainRunConfig(Config):
     output_dir: str | None = None  # None: runs/<UTC timestamp>
     seed: int = 0  # data order, sampling and initialisation
     torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: all cores")
-    # local: this machine (torchrun for several ranks); ray: trainer ranks and (inference.mode
-    # local) rollout servers placed on a Ray cluster, `ray.*` (`asyncrl train --ray ADDRESS`)
-    launcher: Literal["local", "ray"] = "local"
-    ray: RayConfig = RayConfig()
+    # where the job runs: local (this machine; torchrun for several ranks) or ray (trainer ranks
+    # and mode-local servers placed on a Ray cluster, `asyncrl train --ray ADDRESS`)
+    launcher: LauncherConfig = pydantic.Field("local", description="local | ray | {kind: ray, ...}")
 
     @classmethod
     def shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """`workflow: {path: ..., kwargs: ...}` with no kind is a custom workflow."""
-        wf = data.get("workflow")
-        if isinstance(wf, dict) and "kind" not in wf and "path" in wf:
-            data = {**data, "workflow": {**wf, "kind": "custom"}}
+        """The kinds `plugins` registers must exist before the sections naming them are read."""
+        plugins = data.get("plugins", [])
+        if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):
+            import_plugins(plugins)
         return data
-
-    @pydantic.field_validator("reward", mode="before")
-    @classmethod
-    def _reward_form(cls, value: Any) -> Any:  # before: one line naming the allowed forms
-        reward_config(value)  # a string stays as written; a mapping is checked here too
-        return value
 
     @pydantic.field_validator("checkpoint_shard_size", mode="before")
     @classmethod
@@ -254,7 +206,7 @@ class TrainRunConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:
-        check_lora(self)
+        self._check_lora()
         if self.gconfig.n_samples < 2 and self.actor.advantage.estimator in ("grpo", "rloo",
                                                                               "drgrpo"):
             raise ValueError(f"gconfig.n_samples={self.gconfig.n_samples} is out of range for "
@@ -262,26 +214,24 @@ class TrainRunConfig(Config):
                              "baseline needs allowed [2, inf)")
         return self
 
-
-def check_lora(cfg: TrainRunConfig) -> None:
-    """`train.lora` needs an adapter path to every engine: in memory or HTTP buckets (asyncrl),
-    a PEFT adapter directory (asyncrl, vLLM)."""
-    lora = cfg.train.lora
-    if lora is None or not lora.enabled:
-        return
-    inf = cfg.inference
-    if inf.sync_kind in ("nccl", "gloo"):
-        raise ValueError(f"inference.weight_sync={inf.weight_sync!r} with train.lora is not "
-                         "supported (the broadcast sends full weights); allowed: auto, tensors, "
-                         "disk")
-    if inf.mode != "inprocess" and inf.server_backend == "sglang":
-        raise ValueError("train.lora with backend 'sglang' is not supported; allowed backends: "
-                         "asyncrl, vllm")
-    if inf.mode == "local" and inf.server_backend == "vllm":  # the servers this job starts
-        from asyncrl.inference.backend_protocol import LoraServing
-        from asyncrl.launch.server_commands import vllm_lora_args
-
-        vllm_lora_args(LoraServing(lora.r))  # raises for a rank vLLM cannot serve
+    def _check_lora(self) -> None:
+        """`train.lora` pushes adapters: in memory, HTTP buckets or a PEFT directory, to servers
+        whose backend takes them at run time (its declaration), never by broadcast."""
+        if not lora_enabled(self.train.lora):
+            return
+        inf = self.inference
+        if inf.sync_kind in BROADCASTS:
+            raise ValueError(f"inference.weight_sync={inf.weight_sync!r} with train.lora is not "
+                             "supported (the broadcast sends full weights); allowed: auto, "
+                             "tensors, disk")
+        if inf.mode == "inprocess":
+            return
+        backend = inf.backend
+        if not backend.lora:
+            able = [k for k in BACKENDS.kinds() if BACKENDS.config_class(k).lora]
+            raise ValueError(f"train.lora with backend {backend.kind!r} is not supported; "
+                             f"allowed backends: {', '.join(able)}")
+        backend.check_lora(LoraServing(self.train.lora.r))
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str]) -> TrainRunConfig:

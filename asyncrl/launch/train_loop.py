@@ -1,34 +1,73 @@
-"""The loop of one training run (`Trainer` builds its parts, launch/train.py):
+"""The loop of one training run, handed its parts built (launch/train.py builds them):
 
     batch = prepare_batch()            oldest first, never staler than eta; the watchdog stops a
                                        run that cannot form one (launch/watchdog.py)
-    actor.train_step(batch)            [ref logprobs] -> [proximal] -> advantages -> PPO
+    trainer.train_step(batch)          [ref logprobs] -> [proximal] -> advantages -> PPO
     push weights, version + 1          in-flight sequences continue under new weights; canary
     eval every K / checkpoint every K  a checkpoint suspends the episodes in flight and keeps them
     log, plot, progress
 
-Every wait on the rollout side's event loop (weight push, evaluation, start-up checks) is bounded
-(`bounded`): past its limit the coroutine is cancelled and the run ends with an error naming it.
+Every wait on the rollout side's event loop (weight push, evaluation) is bounded (`bounded`): past
+its limit the coroutine is cancelled and the run ends with an error naming it. Ctrl-C (or
+SIGTERM) asks the loop to stop after the current step (`StopRequest`): it writes a checkpoint and
+returns; a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from asyncrl.api import Evaluator, ReportsMetrics, RolloutWorkflow
+from asyncrl.api import Closable, Evaluator, ReportsMetrics
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rollout_engines import RolloutEngines
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
-from asyncrl.launch.run_checkpoints import LoopState, load_rollouts
+from asyncrl.launch.run_checkpoints import LoopState, RunCheckpointer
 from asyncrl.launch.run_logger import RunLogger
+from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.trainer_group import TrainerGroup
 from asyncrl.launch.watchdog import NoProgressError, Watchdog
 from asyncrl.rollout.executor import RunTimeout, WorkflowExecutor
 
-if TYPE_CHECKING:
-    from asyncrl.launch.train import StopRequest, Trainer
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int = 0
+    train_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    initial_accuracy: float | None = None
+    final_accuracy: float | None = None
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # step, train s, acc
+    stopped_by: str = "total_steps"
+
+
+class StopRequest:
+    """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: KeyboardInterrupt now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def bounded(executor: WorkflowExecutor, coro: Any, limit: float, what: str, setting: str
@@ -41,39 +80,50 @@ def bounded(executor: WorkflowExecutor, coro: Any, limit: float, what: str, sett
         raise Watchdog.timed_out(what, setting, limit, f"rollouts: {executor.stats()}") from None
 
 
+@dataclass(frozen=True)
+class LoopParts:
+    """The built parts a run's loop drives."""
+
+    trainer: TrainerGroup
+    engines: RolloutEngines
+    executor: WorkflowExecutor
+    evaluator: Evaluator
+    stream: DataStream
+    monitor: RolloutMonitor  # the executor's accept rule, and the rollout numbers it counts
+    checkpointer: RunCheckpointer
+    logger: RunLogger
+    progress: TrainProgress
+    stop: StopRequest
+    reporters: tuple[ReportsMetrics, ...] = ()  # log their metrics() after every step
+    closables: tuple[Closable, ...] = ()  # closed on the executor's loop when the loop ends
+
+
+@dataclass(frozen=True)
+class RunContext:
+    cfg: TrainRunConfig
+    run_dir: Path
+    eval_rows: list[dict[str, Any]]
+    state: LoopState  # the loop's counters, registered with the checkpointer
+
+
 class TrainLoop:
-    """One run's mutable state; `run` is the loop of the module docstring."""
+    """`run` is the loop of the module docstring; it returns the run's result."""
 
-    def __init__(self, job: Trainer, state: LoopState, tokenizer: Any,
-                 workflow: RolloutWorkflow, evaluator: Evaluator, engines: RolloutEngines,
-                 group: TrainerGroup, executor: WorkflowExecutor, stream: DataStream,
-                 logger: RunLogger, progress: TrainProgress, stop: StopRequest,
-                 reward: Any = None) -> None:
-        self.job, self.cfg, self.state = job, job.cfg, state
-        self.tokenizer, self.engines = tokenizer, engines
-        self.workflow, self.evaluator = workflow, evaluator
-        # what reports metrics after each step: the workflow, the reward (a judge's counts)
-        self.reporters = [r for r in (workflow, reward) if isinstance(r, ReportsMetrics)]
-        self.group, self.trainer, self.executor = group, group.trainer, executor
-        self.stream, self.logger, self.progress, self.stop = stream, logger, progress, stop
-        self.monitor = RolloutMonitor(self.cfg.filter_uniform_groups)
+    def __init__(self, parts: LoopParts, ctx: RunContext) -> None:
+        self.parts, self.ctx, self.cfg, self.state = parts, ctx, ctx.cfg, ctx.state
         self.watchdog = Watchdog(self.cfg.watchdog)
-        self.result = job.result
-        if job.resume and job.ckpt is not None:  # the episodes that were in flight continue
-            snap = load_rollouts(job.ckpt)
-            if snap is not None:
-                executor.restore(snap, workflow, self.monitor.accept)
+        self.result = TrainResult(ctx.run_dir)
 
-    def run(self) -> None:
+    def run(self) -> TrainResult:
         try:
             self._run()
         finally:  # e.g. an agent workflow's proxy server and process pool
-            close = getattr(self.workflow, "aclose", None)
-            if close is not None:
-                self.executor.run(close(), timeout=60)
+            for part in self.parts.closables:
+                self.parts.executor.run(part.aclose(), timeout=60)
+        return self.result
 
     def _run(self) -> None:
-        cfg, state = self.cfg, self.state
+        cfg, state, p = self.cfg, self.state, self.parts
         wall0 = time.perf_counter() - state.wall_seconds
         if state.step == 0 and cfg.eval.every:
             self.evaluate_and_log(initial=True)
@@ -82,7 +132,7 @@ class TrainLoop:
             if cfg.max_train_seconds is not None and state.train_seconds >= cfg.max_train_seconds:
                 stopped_by = "max_train_seconds"
                 break
-            if self.stop.requested:
+            if p.stop.requested:
                 stopped_by = "interrupted"
                 break
             t0 = time.perf_counter()
@@ -100,72 +150,72 @@ class TrainLoop:
                             "time/wall_s": state.wall_seconds})
             if cfg.eval.every and state.step % cfg.eval.every == 0:
                 metrics.update(self.evaluate_and_log())
-            self.logger.log(state.step, metrics)
-            self.progress.update(state.step, metrics)
+            p.logger.log(state.step, metrics)
+            p.progress.update(state.step, metrics)
             if cfg.logging.plot and state.step % cfg.logging.plot_every == 0:
-                self.logger.plot()
+                p.logger.plot()
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                 self.checkpoint(final=False)
         self.finish(stopped_by, wall0)
 
     def finish(self, stopped_by: str, wall0: float) -> None:
-        cfg, state = self.cfg, self.state
+        cfg, state, p = self.cfg, self.state, self.parts
         if cfg.eval.every and state.step % cfg.eval.every and state.step > 0:
             metrics = self.evaluate_and_log()
             metrics.update({"time/elapsed_s": state.train_seconds,
-                            "policy/version": float(self.trainer.version.value)})
-            self.logger.log(state.step, metrics, force=True)
+                            "policy/version": float(p.trainer.trainer.version.value)})
+            p.logger.log(state.step, metrics, force=True)
         state.wall_seconds = time.perf_counter() - wall0
         if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
             self.checkpoint(final=True)
         if cfg.logging.plot:
-            self.logger.plot()
+            p.logger.plot()
         self.result.steps, self.result.stopped_by = state.step, stopped_by
         self.result.train_seconds, self.result.wall_seconds = state.train_seconds, state.wall_seconds
-        self.progress.message(f"stopped by {stopped_by} at step {state.step} after "
-                              f"{state.train_seconds:.0f}s of training "
-                              f"({state.wall_seconds:.0f}s wall); run dir {self.job.run_dir}")
+        p.progress.message(f"stopped by {stopped_by} at step {state.step} after "
+                           f"{state.train_seconds:.0f}s of training "
+                           f"({state.wall_seconds:.0f}s wall); run dir {self.ctx.run_dir}")
 
     def next_batch(self) -> list | str:
         """The next batch, or why the loop stops while waiting for it: "interrupted" (a stop
         was requested) or "max_train_seconds" (the time budget counts waiting too). A run that
         cannot form one ends with NoProgressError (launch/watchdog.py)."""
-        t0, budget = time.perf_counter(), self.cfg.max_train_seconds
+        t0, budget, p = time.perf_counter(), self.cfg.max_train_seconds, self.parts
         while True:
             try:
-                return self.executor.prepare_batch(self.stream, self.workflow,
-                                                   self.monitor.accept, timeout=0.5)
+                return p.executor.prepare_batch(p.stream, timeout=0.5)
             except TimeoutError:
                 waited = time.perf_counter() - t0
-                if self.stop.requested:
+                if p.stop.requested:
                     return "interrupted"
                 if budget is not None and self.state.train_seconds + waited >= budget:
                     self.state.train_seconds += waited
                     return "max_train_seconds"
-                self.watchdog.check(self.executor.stats(), waited, self.state.step)
+                self.watchdog.check(p.executor.stats(), waited, self.state.step)
 
     def train_one_step(self) -> dict[str, float] | str:
+        p = self.parts
         t0 = time.perf_counter()
         trajs = self.next_batch()
         if isinstance(trajs, str):
             return trajs
         t1 = time.perf_counter()
-        metrics = batch_metrics(trajs, self.trainer.version.value)
-        metrics.update(self.group.train_step(trajs))  # advances the trainer's version
+        version = p.trainer.trainer.version
+        metrics = batch_metrics(trajs, version.value)
+        metrics.update(p.trainer.train_step(trajs))  # advances the trainer's version
         t2 = time.perf_counter()
-        new_version = self.trainer.version.value
+        new_version = version.value
         # the engines serve it when this returns; the executor follows `engines.version`
-        metrics.update(bounded(self.executor, self.engines.push(
-            self.group.state_dict(), new_version, self.trainer.model.config, self.tokenizer),
-            self.cfg.watchdog.sync_timeout_s, f"the weight push to version {new_version}",
-            "watchdog.sync_timeout_s"))
+        metrics.update(bounded(p.executor, p.engines.push(p.trainer.state_dict(), new_version),
+                               self.cfg.watchdog.sync_timeout_s,
+                               f"the weight push to version {new_version}",
+                               "watchdog.sync_timeout_s"))
         t3 = time.perf_counter()
         self.state.step += 1
-        self.state.data_position = self.stream.position
-        metrics.update(self.monitor.take())
-        for reporter in self.reporters:
+        metrics.update(p.monitor.take())
+        for reporter in p.reporters:
             metrics.update(reporter.metrics())
-        stats = self.executor.stats()
+        stats = p.executor.stats()
         metrics.update({
             "policy/version": float(new_version),
             "perf/wait_s": t1 - t0, "perf/train_s": t2 - t1, "perf/weight_sync_s": t3 - t2,
@@ -180,38 +230,36 @@ class TrainLoop:
         return metrics
 
     def evaluate_and_log(self, initial: bool = False) -> dict[str, float]:
+        p = self.parts
         t0 = time.perf_counter()
-        report = bounded(self.executor, self.evaluator.aevaluate(self.engines.engine,
-                                                                  self.job.eval_rows),
-                          self.cfg.watchdog.eval_timeout_s, "the evaluation",
-                          "watchdog.eval_timeout_s")
+        report = bounded(p.executor, p.evaluator.aevaluate(p.engines.engine, self.ctx.eval_rows),
+                         self.cfg.watchdog.eval_timeout_s, "the evaluation",
+                         "watchdog.eval_timeout_s")
         metrics, acc = dict(report.metrics), report.score
         step = self.state.step
         self.result.evals.append((step, self.state.train_seconds, acc))
         if initial:
             self.result.initial_accuracy = acc
-            self.logger.log(0, {**metrics, "time/elapsed_s": 0.0, "policy/version": 0.0},
-                            force=True)
+            p.logger.log(0, {**metrics, "time/elapsed_s": 0.0, "policy/version": 0.0},
+                         force=True)
         self.result.final_accuracy = acc
-        self.progress.message(f"eval at step {step}: {report.name} {acc:.3g}{report.detail} "
-                              f"({len(self.job.eval_rows)} held-out problems, "
-                              f"{time.perf_counter() - t0:.1f}s)")
+        p.progress.message(f"eval at step {step}: {report.name} {acc:.3g}{report.detail} "
+                           f"({len(self.ctx.eval_rows)} held-out problems, "
+                           f"{time.perf_counter() - t0:.1f}s)")
         return metrics
 
     def checkpoint(self, final: bool) -> None:
-        """Suspend the episodes in flight, save them with the trainer and the loop's state,
-        then (unless `final`) put them back: they continue from the tokens they had."""
-        snap = self.executor.suspend(self.engines.interrupt, self.cfg.watchdog.suspend_timeout_s)
+        """Suspend the episodes in flight, save every registered part (the episodes with the
+        executor's state), then (unless `final`) put them back: they continue from the tokens
+        they had."""
+        p = self.parts
+        snap = p.executor.suspend(p.engines.interrupt, self.cfg.watchdog.suspend_timeout_s)
         try:
-            self.state.data_position = self.stream.position
-            self.state.rollout = self.executor.state_dict()
-            self.state.in_flight = snap.counts()
-            path = self.group.checkpoint(self.job.run_dir, self.state, keep=3, rollouts=snap,
-                                         shard_size=self.cfg.checkpoint_shard_size)
+            path = p.trainer.checkpoint(p.checkpointer, self.state.step)
         finally:
             if not final:
-                self.executor.restore(snap, self.workflow, self.monitor.accept)
-                self.engines.resume()
-                self.executor.resume()
+                p.executor.restore(snap)
+                p.engines.resume()
+                p.executor.resume()
         kept = ", ".join(f"{v} {k}" for k, v in snap.counts().items())
-        self.progress.message(f"checkpoint {path} (episodes in flight kept: {kept})")
+        p.progress.message(f"checkpoint {path} (episodes in flight kept: {kept})")

@@ -15,13 +15,12 @@ from typing import Any
 
 import torch
 
-from asyncrl.api import PolicyLoss, Sample, Trajectory
-from asyncrl.launch.run_checkpoints import LoopState, save_run_checkpoint
-from asyncrl.models.config import DEFAULT_SHARD_SIZE
+from asyncrl.api import Sample, Trajectory
+from asyncrl.launch.run_checkpoints import RunCheckpointer
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.parallel import Parallelism, SingleProcess
 from asyncrl.train.ppo_actor import PPOActor
-from asyncrl.train.config import CriticConfig, PPOActorConfig, TrainEngineConfig
+from asyncrl.train.config import CriticConfig, TrainEngineConfig
 
 
 def world_size() -> int:
@@ -88,13 +87,10 @@ def broadcast(obj: Any) -> Any:
 
 
 class TrainerGroup:
-    def __init__(self, trainer: HFTrainEngine, actor_cfg: PPOActorConfig,
-                 ref: HFTrainEngine | None, tokenizer: Any, loss: PolicyLoss | None = None,
-                 critic: HFTrainEngine | None = None,
-                 value_eps_clip: float | None = 0.2) -> None:
-        """`loss`: None for the built-in PPO loss; every rank must be given the same one."""
-        self.trainer, self.tokenizer, self.critic = trainer, tokenizer, critic
-        self.actor = PPOActor(trainer, actor_cfg, ref, loss, critic, value_eps_clip)
+    def __init__(self, trainer: HFTrainEngine, actor: PPOActor, tokenizer: Any) -> None:
+        """`actor` drives `trainer` (and the reference and critic it was given); every rank
+        must be given the same parts."""
+        self.trainer, self.actor, self.tokenizer = trainer, actor, tokenizer
         self.distributed = is_distributed()
 
     def _command(self, name: str, payload: Any = None) -> None:
@@ -118,19 +114,21 @@ class TrainerGroup:
         self._command("state_dict")
         return self.trainer.engine_weights()
 
-    def checkpoint(self, run_dir: Path, state: LoopState, keep: int, rollouts: Any = None,
-                   shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
-        """`shard_size`: of policy/'s safetensors files (rank 0 writes them; the other ranks
-        only take part in the gather)."""
-        self._command("checkpoint", (run_dir, state, keep))
-        return save_run_checkpoint(run_dir, state, self.trainer, self.tokenizer, keep,
-                                   self.critic, rollouts, shard_size)
+    def checkpoint(self, checkpointer: RunCheckpointer, step: int) -> Path:
+        """Every rank writes checkpoint `step` with its own checkpointer."""
+        self._command("checkpoint", step)
+        return checkpointer.save(step)
+
+    def load(self, checkpointer: RunCheckpointer, ckpt: Path) -> None:
+        """Every rank restores its parts from `ckpt`."""
+        self._command("load", ckpt)
+        checkpointer.load(ckpt)
 
     def stop(self) -> None:
         self._command("stop")
 
     # ---- ranks > 0 ------------------------------------------------------------------------------
-    def follow(self) -> None:
+    def follow(self, checkpointer: RunCheckpointer) -> None:
         """Mirror rank 0's collective operations until it sends stop."""
         while True:
             name, payload = broadcast(None)
@@ -141,8 +139,9 @@ class TrainerGroup:
             elif name == "state_dict":
                 self.trainer.engine_weights()
             elif name == "checkpoint":
-                save_run_checkpoint(*payload[:2], self.trainer, self.tokenizer, payload[2],
-                                    self.critic)
+                checkpointer.save(payload)
+            elif name == "load":
+                checkpointer.load(payload)
             elif name == "stop":
                 return
             else:

@@ -12,9 +12,8 @@ temperature all show up here, and would otherwise only bias the loss's importanc
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from asyncrl.api import GenerationConfig, ModelRequest
+from asyncrl.api import GenerationConfig, ModelRequest, ServingEngine
 from asyncrl.errors import UserError
 
 
@@ -36,17 +35,13 @@ class LogprobCheck:
                                         top_p=1.0, top_k=0)
         self.tolerance = tolerance
 
-    async def run(self, engine: Any, version: int) -> dict[str, float]:
-        """Probe every healthy server of `engine` (a RemoteInferenceEngine), or the in-process
-        engine; raise WeightCheckError if one is off; return the worst engine's mean and max
-        differences."""
+    async def run(self, engine: ServingEngine, version: int) -> dict[str, float]:
+        """Probe every healthy server of `engine` (or the in-process engine); raise
+        WeightCheckError if one is off; return the worst engine's mean and max differences."""
         results = []
         for i, prompt in enumerate(self.prompts):
             req = ModelRequest(prompt, self.gconfig, rid=f"logprob-check-v{version}-{i}")
-            if hasattr(engine, "generate_on_each"):
-                results += await engine.generate_on_each(req)
-            else:
-                results.append(("the in-process engine", await engine.agenerate(req)))
+            results += await engine.generate_on_each(req)
         if not results:
             raise WeightCheckError(f"no healthy server to probe at weight version {version}")
         worst_mean = worst_max = 0.0

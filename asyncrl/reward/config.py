@@ -1,4 +1,5 @@
-"""The typed forms of a run's `reward`, and the string shorthands that name them.
+"""The reward kinds a config names, each a config whose `build(ctx)` opens the reward: the `REWARDS`
+registry (asyncrl/plugins.py).
 
 ```yaml
 reward: exact                       # built-ins: exact, digits, math, code
@@ -9,30 +10,67 @@ reward: {kind: function, path: my_pkg.rewards:score, executor: process, max_work
 reward: {kind: code, tests_field: tests, limits: {wall_seconds: 5}}
 ```
 
-A string is kept as written in the run config (so saved configs stay short); `reward_config`
-turns it into the typed form, and the run config validates it that way at load.
+`exact` (the final number must equal the answer) and `digits` (exact, or partial credit for
+matching digit places) are cheap pure checks marked inline: they run on the event loop. `math`
+(math-verify) and `code` (the row's tests in the sandbox) run in a RewardPool of worker
+processes. A user's function runs on a thread pool or (`executor: process`) a process pool;
+`trl:` adapts a TRL GRPOTrainer reward function; `judge` asks a model.
+
+`build(ctx)` returns a context manager that yields the `RewardFn` and, on exit, shuts down what it
+started (pools, a judge's engine). A judge on the built-in engine (`model_path`) needs
+`ctx.judge_engine`, the factory the launch layer passes (asyncrl/launch/judge_engine.py), since
+the inference package sits above this one. A kind of your own: a config class with `kind` and
+`build`, then `REWARDS.register(YourConfig)`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import pydantic
 import yaml
 
 from asyncrl.config import Config, ConfigError, load_yaml
+from asyncrl.errors import UserError
+from asyncrl.imports import import_object
+from asyncrl.plugins import Registry
+from asyncrl.reward.call import RewardFn
 from asyncrl.reward.judge_config import JudgeRewardConfig
 from asyncrl.reward.sandbox import SandboxLimits
 
-BUILTIN_NAMES = ("exact", "digits", "math", "code")
 TRL_PREFIX = "trl:"
+JudgeEngineFactory = Callable[[JudgeRewardConfig], contextlib.AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What the caller has that a reward may need to open."""
+
+    judge_engine: JudgeEngineFactory | None = None  # a judge's built-in engine (`model_path`)
 
 
 class BuiltinRewardConfig(Config):
     """exact / digits: cheap checks on the event loop; math: math-verify in a process pool."""
 
+    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
     kind: Literal["exact", "digits", "math"] = "exact"
+
+    @contextlib.contextmanager
+    def build(self, ctx: RewardContext) -> Iterator[RewardFn]:
+        from asyncrl.reward.call import answer_reward
+
+        if self.kind == "math":
+            yield from _math_reward()
+            return
+        from asyncrl.reward.exact import digit_match_reward, exact_answer_reward
+
+        # inline: microseconds of regex work; off-loop calls would cost more than they save
+        check = exact_answer_reward if self.kind == "exact" else digit_match_reward
+        yield answer_reward(check, cheap=True)
 
 
 class FunctionRewardConfig(Config):
@@ -41,17 +79,46 @@ class FunctionRewardConfig(Config):
     (for functions that need a main thread or may hang; they must pickle, and a call over
     `timeout_seconds` scores 0.0 and is counted). Async functions are awaited on the loop."""
 
+    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
     kind: Literal["function"] = "function"
     path: str = pydantic.Field(description="package.module:function")
     executor: Literal["thread", "process"] = "thread"
     max_workers: int = pydantic.Field(8, ge=1, le=1024)
     timeout_seconds: float = pydantic.Field(60.0, gt=0)  # executor: process
 
+    @contextlib.contextmanager
+    def build(self, ctx: RewardContext) -> Iterator[RewardFn]:
+        from asyncrl.reward.call import ThreadedReward, is_async
+
+        fn = import_object(self.path, "reward")
+        if not callable(fn):
+            raise UserError(f"reward {self.path!r} is not callable; expected "
+                            "reward(completion, row)")
+        if is_async(fn):
+            yield fn  # awaited on the loop; its own awaits are what keep the loop free
+        elif self.executor == "thread":
+            threaded = ThreadedReward(fn, self.max_workers)
+            try:
+                yield threaded
+            finally:
+                threaded.close()
+        else:
+            from asyncrl.reward.pool import RewardPool, RewardPoolConfig
+            from asyncrl.reward.pooled import PooledReward
+
+            module = self.path.partition(":")[0] if ":" in self.path \
+                else self.path.rpartition(".")[0]
+            pool_cfg = RewardPoolConfig(num_workers=self.max_workers, preload=[module],
+                                        timeout_seconds=self.timeout_seconds)
+            with RewardPool(pool_cfg) as pool:
+                yield PooledReward(pool, fn, lambda text, row: (text, row), self.path)
+
 
 class TRLRewardConfig(Config):
     """TRL GRPOTrainer reward functions `f(prompts, completions, completion_ids, **columns)`,
     called once per group; several are summed with `weights` (None entries skipped, as TRL)."""
 
+    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
     kind: Literal["trl"] = "trl"
     functions: list[str] = pydantic.Field(min_length=1, description="package.module:function")
     weights: list[float] | None = None
@@ -64,6 +131,17 @@ class TRLRewardConfig(Config):
                              f"one per function ({len(self.functions)})")
         return self
 
+    @contextlib.contextmanager
+    def build(self, ctx: RewardContext) -> Iterator[RewardFn]:
+        from asyncrl.reward.trl_adapter import TRLReward
+
+        functions = [import_object(path, "TRL reward") for path in self.functions]
+        reward = TRLReward(functions, self.weights, self.max_workers)
+        try:
+            yield reward
+        finally:
+            reward.close()
+
 
 class CodeRewardConfig(Config):
     """Run the completion's program on the row's tests in the sandbox: 1.0 when all pass.
@@ -73,64 +151,64 @@ class CodeRewardConfig(Config):
     dict or JSON string). Each test runs under `limits`; the RewardPool's `timeout_seconds` is
     the outer bound of one whole completion."""
 
+    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
     kind: Literal["code"] = "code"
     tests_field: str = "tests"
     limits: SandboxLimits = SandboxLimits()
     num_workers: int = pydantic.Field(2, ge=1, le=1024)
     timeout_seconds: float = pydantic.Field(120.0, gt=0)
 
+    @contextlib.contextmanager
+    def build(self, ctx: RewardContext) -> Iterator[RewardFn]:
+        """The completion's program against the row's tests, in sandboxes in worker processes
+        (each blocks for up to limits.wall_seconds per test)."""
+        from asyncrl.reward.code import code_reward_with_note, row_tests
+        from asyncrl.reward.pool import RewardPool, RewardPoolConfig
+        from asyncrl.reward.pooled import PooledReward
 
-RewardConfig = Annotated[BuiltinRewardConfig | FunctionRewardConfig | TRLRewardConfig
-                         | CodeRewardConfig | JudgeRewardConfig,
-                         pydantic.Field(discriminator="kind")]
+        pool_cfg = RewardPoolConfig(num_workers=self.num_workers,
+                                    timeout_seconds=self.timeout_seconds,
+                                    preload=["asyncrl.reward.code"])
+        with RewardPool(pool_cfg) as pool:
+            yield PooledReward(pool, code_reward_with_note, lambda text, row: (
+                text, row_tests(row, self.tests_field), self.limits), "code")
 
-_ADAPTER: pydantic.TypeAdapter = pydantic.TypeAdapter(RewardConfig)
-ALLOWED = ("exact, digits, math, code, judge (a mapping: {kind: judge, ...}), "
-           "'package.module:function' or 'trl:package.module:function'")
+
+def _math_reward() -> Iterator[RewardFn]:
+    """math-verify in a RewardPool: it needs a main thread (SIGALRM) and may hang on odd input."""
+    from asyncrl.reward.math_verify import math_answer_reward
+    from asyncrl.reward.pool import RewardPool, RewardPoolConfig
+
+    with RewardPool(RewardPoolConfig(preload=["asyncrl.reward.math_verify"])) as pool:
+        async def reward(completion: str, row: dict[str, Any]) -> float:
+            return (await pool.score(math_answer_reward, completion, str(row["answer"]))).score
+
+        yield reward
 
 
-def reward_config(spec: str | Any) -> Any:
-    """The typed reward config for `spec`: a name, a dotted path, 'trl:<path>', a mapping with a
-    `kind`, or an already typed config. Raises ConfigError (one line) on anything else."""
-    if isinstance(spec, Config):
-        return spec
-    if isinstance(spec, dict):
-        return _validate(spec)
-    if not isinstance(spec, str):
-        raise ConfigError(f"reward={spec!r}: expected a name or a mapping; allowed: {ALLOWED}")
-    if spec in BUILTIN_NAMES:
-        return _validate({"kind": spec})
-    if spec == "judge":
-        raise ConfigError("reward='judge' needs its settings: reward: {kind: judge, base_url: ..."
-                          ", model: ...} or {kind: judge, model_path: ...} (see reward/judge.py)")
+def _shorthand(spec: str) -> dict[str, Any]:
+    """A string that is not a kind's name: 'trl:<path>' or a dotted path to a function."""
     if spec.startswith(TRL_PREFIX):
-        return _validate({"kind": "trl", "functions": [spec[len(TRL_PREFIX):]]})
+        return {"kind": "trl", "functions": [spec[len(TRL_PREFIX):]]}
     if ":" in spec or "." in spec:
-        return _validate({"kind": "function", "path": spec})
-    raise ConfigError(f"reward {spec!r}: unknown; allowed: {ALLOWED}")
+        return {"kind": "function", "path": spec}
+    raise ConfigError(f"reward {spec!r}: unknown; allowed: {', '.join(REWARDS.kinds())}, "
+                      "'package.module:function' or 'trl:package.module:function'")
 
 
-def _validate(data: dict[str, Any]) -> Any:
-    kind = data.get("kind")
-    if kind is None:
-        raise ConfigError(f"reward={data!r}: a mapping needs a 'kind'; allowed: exact, digits, "
-                          "math, code, function, trl, judge")
-    try:
-        return _ADAPTER.validate_python(data)
-    except pydantic.ValidationError as err:
-        # loc[0] is the union's tag (the kind), already named in the message
-        problems = "; ".join(_where(e) + e["msg"].removeprefix("Value error, ")
-                             for e in err.errors())
-        raise ConfigError(f"reward kind={kind!r}: {problems}") from None
+REWARDS: Registry = Registry("reward", shorthand=_shorthand)
+for _cls in (BuiltinRewardConfig, FunctionRewardConfig, TRLRewardConfig, CodeRewardConfig,
+             JudgeRewardConfig):
+    REWARDS.register(_cls)
+
+RewardConfig = REWARDS.field()
 
 
-def _where(error: Any) -> str:
-    loc = ".".join(str(p) for p in error["loc"][1:])
-    if not loc:
-        return ""
-    # our own validators name the value already; pydantic's messages do not
-    value = "" if error["type"] == "value_error" else f"={error.get('input')!r}"
-    return f"{loc}{value}: "
+def open_reward(spec: Any, *, judge_engine: JudgeEngineFactory | None = None
+                ) -> contextlib.AbstractContextManager[RewardFn]:
+    """The reward `spec` names (a name, a dotted path, 'trl:<path>', a mapping with a `kind`, or
+    a typed config), opened; unknown names raise a one-line ConfigError naming the allowed ones."""
+    return REWARDS.parse(spec).build(RewardContext(judge_engine))
 
 
 def reward_spec_from_cli(text: str) -> str | dict[str, Any]:
@@ -142,12 +220,12 @@ def reward_spec_from_cli(text: str) -> str | dict[str, Any]:
             data = yaml.safe_load(stripped)
         except yaml.YAMLError as err:
             raise ConfigError(f"--reward {text!r}: malformed YAML mapping: {err}") from None
-        reward_config(data)
+        REWARDS.parse(data)
         return data
     if stripped.endswith((".yaml", ".yml", ".json")) and Path(stripped).is_file():
         data = load_yaml(stripped)
         data = data.get("reward", data) if isinstance(data.get("reward"), dict) else data
-        reward_config(data)
+        REWARDS.parse(data)
         return data
-    reward_config(stripped)
+    REWARDS.parse(stripped)
     return stripped

@@ -21,10 +21,12 @@ import re
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.errors import UserError
-from asyncrl.reward.judge_config import JudgeRewardConfig
+
+if TYPE_CHECKING:
+    from asyncrl.reward.judge_config import JudgeRewardConfig
 
 logger = logging.getLogger(__name__)
 

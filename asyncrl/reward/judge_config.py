@@ -5,13 +5,16 @@ regex, the judge's address), so a typo fails before any model is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import string
-from typing import Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import pydantic
 
 from asyncrl.config import Config
+from asyncrl.errors import UserError
 
 PLACEHOLDERS = ("question", "answer", "completion")
 
@@ -44,6 +47,7 @@ class JudgeRewardConfig(Config):
     and logged with the reply), `zero` scores 0.0, logs the reply and counts it.
     """
 
+    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
     kind: Literal["judge"] = "judge"
     base_url: str | None = None  # e.g. http://10.0.0.7:8000/v1
     model: str | None = None  # the served model's name (base_url)
@@ -104,3 +108,20 @@ class JudgeRewardConfig(Config):
             raise ValueError(f"score_min={self.score_min} must be below score_max="
                              f"{self.score_max}")
         return self
+
+    @contextlib.contextmanager
+    def build(self, ctx: Any) -> Iterator[Any]:
+        """The judge as a RewardFn: an OpenAI-compatible server's client, or the built-in
+        engine the caller's `ctx.judge_engine` starts on `model_path`."""
+        from asyncrl.reward.judge import JudgeReward, OpenAIJudgeClient
+
+        if self.base_url is not None:
+            yield JudgeReward(self, OpenAIJudgeClient(self))
+            return
+        if ctx.judge_engine is None:
+            raise UserError(f"reward judge model_path={self.model_path!r} runs the built-in "
+                            "engine, which this caller did not provide: open it with "
+                            "asyncrl.launch.judge_engine.open_run_reward (asyncrl train / eval "
+                            "do)")
+        with ctx.judge_engine(self) as client:
+            yield JudgeReward(self, client)

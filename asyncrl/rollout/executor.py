@@ -10,8 +10,12 @@ rate-limited and counted in a row (`RejectionLog`), which the job's watchdog rea
 
 `suspend` interrupts every episode in flight for a checkpoint and takes out everything the
 executor holds (rows not started, trajectories not consumed, suspended episodes with their
-generation journals: rollout/journal.py); `restore` puts a snapshot back, in this process or
-after a restart, and suspended episodes continue from the tokens they had.
+generation journals: rollout/journal.py); `restore` puts a snapshot back, and suspended episodes
+continue from the tokens they had. While suspended, `state_dict` is what a checkpoint keeps (the
+staleness counters and that snapshot); `load_state_dict` puts both back after a restart.
+
+One executor runs one workflow (and one accept rule, e.g. the DAPO uniform-group filter), given
+at construction.
 
 The policy version is the one the engines serve (a `PolicyVersion` owned by the job's rollout
 side, moved once every engine holds new weights); the executor reads it and subscribes, so that a
@@ -67,8 +71,6 @@ def new_episode_id() -> str:
 @dataclass
 class _Job:
     data: dict[str, Any]
-    workflow: RolloutWorkflow
-    accept: AcceptFn | None
     episode_id: str = field(default_factory=new_episode_id)
     # a suspended episode continued: its start version and the journal it replays
     start_version: int | None = None
@@ -84,11 +86,12 @@ class _Done:
 
 
 class WorkflowExecutor:
-    def __init__(self, engine: InferenceEngine, cfg: RolloutConfig,
-                 version: PolicyVersion | None = None) -> None:
+    def __init__(self, engine: InferenceEngine, cfg: RolloutConfig, workflow: RolloutWorkflow,
+                 version: PolicyVersion | None = None, accept: AcceptFn | None = None) -> None:
         """`version`: the version the engines serve (read here, never written); None: one of
-        its own, for rollouts without a trainer."""
-        self.engine, self.cfg = engine, cfg
+        its own, for rollouts without a trainer. `accept`: a finished trajectory is trained on
+        only if it says so (None: all)."""
+        self.engine, self.cfg, self.workflow, self.accept = engine, cfg, workflow, accept
         self.manager = StalenessManager(cfg.max_concurrent_rollouts, cfg.batch_size,
                                         cfg.max_head_offpolicyness)
         self.dump = TrajectoryDump(cfg.dump_dir) if cfg.dump_dir else None
@@ -102,6 +105,7 @@ class WorkflowExecutor:
         self._done: list[_Done] = []
         self._suspending = False
         self._suspended: list[SuspendedEpisode] = []
+        self._snapshot: RolloutSnapshot | None = None  # what `suspend` took out
         self.restored: dict[str, str] = {}  # episode id -> outcome, for the last `restore`
         self.counts: Counter[str] = Counter()  # suspended, restarted, replayed/continued calls
         self._seq = itertools.count()
@@ -116,10 +120,9 @@ class WorkflowExecutor:
 
     # ---- trainer-facing API ---------------------------------------------------------------
 
-    def submit(self, data: dict[str, Any], workflow: RolloutWorkflow,
-               should_accept: AcceptFn | None = None) -> None:
+    def submit(self, data: dict[str, Any]) -> None:
         with self._cond:
-            self._pending.append(_Job(data, workflow, should_accept))
+            self._pending.append(_Job(data))
         self._kick()
 
     def wait(self, count: int, timeout: float | None = None) -> list[Trajectory]:
@@ -136,8 +139,7 @@ class WorkflowExecutor:
                                        f"{len(self._done)} ready; stats: {self.stats()}")
                 self._cond.wait(left if left is not None else 1.0)
 
-    def prepare_batch(self, data: Iterator[dict[str, Any]], workflow: RolloutWorkflow,
-                      should_accept: AcceptFn | None = None,
+    def prepare_batch(self, data: Iterator[dict[str, Any]],
                       timeout: float | None = None) -> list[Trajectory]:
         """Return `batch_size` trajectories, keeping enough episodes queued that the engines
         stay busy across training steps (the next batch is already generating on return)."""
@@ -150,7 +152,7 @@ class WorkflowExecutor:
                 want = (self.cfg.max_concurrent_rollouts - len(self._pending)
                         - len(self._resumed) - self.manager.stats.running)
             for _ in range(max(0, want)):
-                self.submit(next(data), workflow, should_accept)
+                self.submit(next(data))
             with self._cond:
                 self._drop_stale()
                 if len(self._done) >= self.cfg.batch_size:
@@ -170,15 +172,21 @@ class WorkflowExecutor:
         self._kick()
 
     def state_dict(self) -> dict[str, Any]:
-        """The staleness counters a checkpoint keeps (see StalenessManager.state_dict); the
-        episodes themselves are in the snapshot of `suspend`."""
+        """What a checkpoint keeps, while suspended: the staleness counters (see
+        StalenessManager.state_dict) and the episodes `suspend` took out."""
+        if self._snapshot is None:
+            raise RuntimeError("WorkflowExecutor.state_dict needs the episodes in flight: "
+                               "call suspend() first")
         with self._cond:
-            return self.manager.state_dict()
+            return {"staleness": self.manager.state_dict(), "in_flight": self._snapshot.counts(),
+                    "episodes": self._snapshot}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before the first rollout: the counters, then the episodes, which continue from the
+        tokens they had."""
         with self._cond:
-            self.manager.load_state_dict(state)
-        self._kick()
+            self.manager.load_state_dict(state["staleness"])
+        self.restore(state["episodes"])
 
     def pause(self) -> None:
         """Start no new episodes (running ones continue; the engine's pause interrupts them)."""
@@ -193,7 +201,8 @@ class WorkflowExecutor:
     # ---- checkpointing the episodes in flight ---------------------------------------------
 
     def suspend(self, interrupt: Callable[[], None], timeout: float = 60.0) -> RolloutSnapshot:
-        """Stop every episode and take out everything held, for a checkpoint.
+        """Stop every episode and take out everything held, for a checkpoint (kept for
+        `state_dict` until `restore`).
 
         `interrupt()` makes the engines return every generation in flight with its partial
         output (rollout_engines.RolloutEngines.interrupt). Episodes are then unwound with
@@ -214,29 +223,28 @@ class WorkflowExecutor:
                     suspended=self._suspended)
                 self._pending, self._done, self._suspended = deque(), [], []
                 self.manager.take_out(len(snap.ready))
+                self._snapshot = snap
             return snap
         finally:
             with self._cond:
                 self._suspending = False
 
-    def restore(self, snap: RolloutSnapshot, workflow: RolloutWorkflow,
-                should_accept: AcceptFn | None = None) -> None:
+    def restore(self, snap: RolloutSnapshot) -> None:
         """Put `snap` back: ready trajectories are consumed first (or dropped if too stale),
         suspended episodes continue from their journals before new ones start."""
         with self._cond:
-            self.restored = {}
+            self.restored, self._snapshot = {}, None
             for r in snap.ready:
-                job = _Job(r.data, workflow, should_accept, episode_id=r.episode_id)
+                job = _Job(r.data, episode_id=r.episode_id)
                 heapq.heappush(self._done, _Done(r.start_version, next(self._seq), r.trajectory,
                                                  job))
                 self.restored[r.episode_id] = "ready"
             for e in snap.suspended:
-                self._resumed.append(_Job(e.data, workflow, should_accept,
-                                          episode_id=e.episode_id, start_version=e.start_version,
-                                          replay=e.journal))
+                self._resumed.append(_Job(e.data, episode_id=e.episode_id,
+                                          start_version=e.start_version, replay=e.journal))
                 self.restored[e.episode_id] = "continuing"
             for eid, data in reversed(snap.pending):
-                self._pending.appendleft(_Job(data, workflow, should_accept, episode_id=eid))
+                self._pending.appendleft(_Job(data, episode_id=eid))
                 self.restored[eid] = "pending"
             self.manager.restore(len(snap.ready) + len(snap.suspended))
             self._cond.notify_all()
@@ -345,13 +353,13 @@ class WorkflowExecutor:
         engine = JournaledEngine(self.engine, journal, job.replay, lambda: self._suspending)
         status, traj, kind, reason, error = RolloutStatus.FAILED, None, "", "", None
         try:
-            traj = await job.workflow.arun_episode(engine, job.data)
+            traj = await self.workflow.arun_episode(engine, job.data)
             if traj is None:
                 status, kind = RolloutStatus.REJECTED, "returned None"
-                reason = f"workflow {type(job.workflow).__name__} returned None (rejected)"
-            elif job.accept is not None and not job.accept(traj):
+                reason = f"workflow {type(self.workflow).__name__} returned None (rejected)"
+            elif self.accept is not None and not self.accept(traj):
                 status, kind = RolloutStatus.REJECTED, "accept rule"
-                reason = (f"the accept rule {getattr(job.accept, '__qualname__', job.accept)} "
+                reason = (f"the accept rule {getattr(self.accept, '__qualname__', self.accept)} "
                           f"rejected a trajectory with rewards {sorted(set(traj.rewards))}")
             else:
                 status = RolloutStatus.ACCEPTED
@@ -365,7 +373,7 @@ class WorkflowExecutor:
             status, kind, reason, error = RolloutStatus.REJECTED, "EpisodeRejected", str(err), err
         except Exception as err:  # boundary: a broken episode is recorded and rejected, the run goes on
             kind, error = type(err).__name__, err
-            reason = (f"rollout workflow {type(job.workflow).__name__} raised {err!r} on data "
+            reason = (f"rollout workflow {type(self.workflow).__name__} raised {err!r} on data "
                       f"id={job.data.get('id')}")
         if self._suspending and (status != RolloutStatus.ACCEPTED or any(
                 s.stop_reason is StopReason.ABORT for s in traj.samples)):
@@ -419,7 +427,7 @@ class WorkflowExecutor:
             done = heapq.heappop(self._done)
             self.manager.on_stale_drop()
             self._outcome(done.job, "stale_dropped")  # its row runs again as a new episode
-            self._pending.appendleft(_Job(done.job.data, done.job.workflow, done.job.accept))
+            self._pending.appendleft(_Job(done.job.data))
             self._kick()
 
     def _consume(self, done: _Done) -> Trajectory:

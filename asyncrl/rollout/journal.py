@@ -72,7 +72,7 @@ class JournaledEngine:
 
     `suspending()` tells whether the executor is suspending episodes: then a call raises
     EpisodeSuspended instead of generating, and an interrupted call is recorded as partial.
-    Every other attribute is the wrapped engine's."""
+    It is an `InferenceEngine`, what a workflow may use of the engine."""
 
     def __init__(self, engine: InferenceEngine, journal: EpisodeJournal,
                  replay: EpisodeJournal | None, suspending: Any) -> None:
@@ -82,8 +82,8 @@ class JournaledEngine:
                         if replay is not None else None)
         self.replayed_calls = self.continued_calls = 0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    def get_version(self) -> int:
+        return self._engine.get_version()
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         if self._suspending():

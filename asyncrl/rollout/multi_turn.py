@@ -44,12 +44,15 @@ class MultiTurnConfig(Config):
 class MultiTurnWorkflow:
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
                  cfg: MultiTurnConfig | None = None, eval_cfg: EvalConfig | None = None,
-                 chat: ChatOptions | None = None) -> None:
+                 chat: ChatOptions | None = None, context_length: int | None = None) -> None:
+        """`context_length`: the longest sequence the engines take (None: no limit known); an
+        episode stops retrying before its next turn could overflow it."""
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
         self.cfg = cfg or MultiTurnConfig()
         self.chat = chat or ChatOptions()  # the model's template variables and parsers
         self.gconfig = stop_at_eos(gconfig.replace(n_samples=1), tokenizer)
         self.eval_cfg = eval_cfg or EvalConfig()
+        self.context_length = context_length
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
         """First-answer accuracy (greedy, pass@k): what the retries are trained to raise."""
@@ -84,7 +87,8 @@ class MultiTurnWorkflow:
             if success >= 1.0 or turn == self.cfg.max_turns - 1:
                 break
             fb = self.feedback_ids(self.cfg.wrong_feedback)
-            if len(ids) + len(fb) + self.gconfig.max_new_tokens > self._context_limit(engine):
+            limit = self.context_length
+            if limit is not None and len(ids) + len(fb) + self.gconfig.max_new_tokens > limit:
                 break
             ids += fb
             mask += [0] * len(fb)
@@ -99,9 +103,3 @@ class MultiTurnWorkflow:
                         metadata={"turns": len(turn_rewards), "turn_rewards": turn_rewards,
                                   "turn_returns": returns, "completion_text": texts[-1]})
         return Trajectory([sample], group_id=str(data.get("id", "")))
-
-    @staticmethod
-    def _context_limit(engine: InferenceEngine) -> int:
-        # Engines that know their context length expose it; others are trusted to reject.
-        inner = getattr(engine, "engine", None)
-        return getattr(inner, "max_seq_len", None) or getattr(engine, "max_seq_len", 1 << 30)

@@ -6,21 +6,17 @@
   finished calls and the partial ones: token ids, logprobs, per-token versions).
 
 Every episode keeps its `episode_id` across a restart, so a resumed run can account for each one:
-consumed once, continued, or dropped for staleness (counted). Written with pickle next to the
-trainer state (the same trust model as `trainer.pt`: only load checkpoints you wrote).
+consumed once, continued, or dropped for staleness (counted). A checkpoint pickles it with the
+run's other plain state (only load checkpoints you wrote).
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from asyncrl.api import Trajectory
 from asyncrl.rollout.journal import EpisodeJournal
-
-FORMAT = 1
 
 
 @dataclass
@@ -51,16 +47,5 @@ class RolloutSnapshot:
                 "suspended": len(self.suspended), "partial_calls": partial,
                 "suspended_tokens": sum(s.journal.tokens for s in self.suspended)}
 
-    def save(self, path: str | Path) -> None:
-        tmp = Path(path).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump({"format": FORMAT, "snapshot": self}, f)
-        tmp.replace(path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> RolloutSnapshot:
-        with open(path, "rb") as f:
-            blob = pickle.load(f)  # noqa: S301  (our own checkpoint, as trainer.pt)
-        if not isinstance(blob, dict) or blob.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a rollout snapshot of format {FORMAT}")
-        return blob["snapshot"]
+    def __repr__(self) -> str:  # what a checkpoint's state.json says of it
+        return f"RolloutSnapshot({self.counts()})"

@@ -26,10 +26,13 @@ the last dimension of a padded [B, T] layout, or, for a packed [N] micro-batch, 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.train.config import LossAgg
+if TYPE_CHECKING:
+    from asyncrl.train.config import LossAgg
+
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,15 @@ passes it to the engine it builds.
 
 from __future__ import annotations
 
-from typing import Literal
+import inspect
+from typing import Any, Literal
 
 import pydantic
 
 from asyncrl.config import Config
+from asyncrl.errors import UserError
+from asyncrl.imports import import_object
+from asyncrl.plugins import Registry
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLKind = Literal["k1", "k2", "k3"]
@@ -220,6 +224,45 @@ class ProximalConfig(Config):
         return self.proximal_logprobs == "recompute"
 
 
+class PPOLossChoice(Config):
+    """`actor.loss: ppo`: the built-in decoupled PPO loss (train/losses.py), set by `actor.ppo`."""
+
+    kind: Literal["ppo"] = "ppo"  # the loss (LOSSES: ppo | custom | yours)
+
+    def build(self, actor: PPOActorConfig) -> Any:
+        from asyncrl.train.losses import PPOLoss
+
+        return PPOLoss(actor.ppo)
+
+
+class CustomLossConfig(Config):
+    """`actor.loss: {path: package.module:Loss, kwargs: {...}}` (or just the path): your
+    `PolicyLoss` (api/loss.py). A class or factory there is called with `kwargs`."""
+
+    kind: Literal["custom"] = "custom"  # the loss (LOSSES: ppo | custom | yours)
+    path: str = pydantic.Field(description="package.module:LossClassOrFunction")
+    kwargs: dict[str, Any] = {}  # keyword arguments of the class or factory
+
+    def build(self, actor: PPOActorConfig) -> Any:
+        from asyncrl.api import PolicyLoss
+
+        loss = import_object(self.path, "actor.loss")
+        if inspect.isclass(loss) or self.kwargs:
+            loss = loss(**self.kwargs)
+        if not isinstance(loss, PolicyLoss):
+            raise UserError(f"actor.loss {self.path!r} gave {loss!r}, not a PolicyLoss: a callable "
+                            "loss(logprobs, inputs: LossInputs, normalizer) -> (loss, stats) with "
+                            "`normalize_by` ('tokens' or 'sequences') and `needs_entropy`")
+        return loss
+
+
+LOSSES: Registry = Registry("loss", shorthand=lambda path: {"kind": "custom", "path": path},
+                           infer_kind=lambda m: "custom" if "path" in m else None)
+LOSSES.register(PPOLossChoice)
+LOSSES.register(CustomLossConfig)
+LossConfig = LOSSES.field()
+
+
 class PPOActorConfig(Config):
     ppo: PPOLossConfig = PPOLossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
@@ -228,18 +271,10 @@ class PPOActorConfig(Config):
     # advantages stay those of the start of the batch, so from the second step on the PPO clip
     # bounds how far the policy moves. The policy version still advances by one per batch.
     ppo_n_minibatches: int = pydantic.Field(1, ge=1)
-    # The policy loss: "ppo" (losses.PPOLoss with `ppo` above) or a user's `package.module:obj`
-    # implementing api.PolicyLoss; a class (or factory) there is called with `loss_kwargs`.
-    loss: str = pydantic.Field("ppo", description="ppo | package.module:LossClassOrFunction")
-    loss_kwargs: dict = {}  # keyword arguments of a user's loss class or factory
-
-    @pydantic.model_validator(mode="after")
-    def _kwargs_for_a_user_loss(self) -> PPOActorConfig:
-        if self.loss == "ppo" and self.loss_kwargs:
-            raise ValueError(f"actor.loss_kwargs={self.loss_kwargs} is for a user loss "
-                             "(actor.loss: package.module:Loss); the built-in 'ppo' loss is set "
-                             "with actor.ppo.*")
-        return self
+    # The policy loss: ppo (the built-in, set by `ppo` above), or your PolicyLoss
+    # (package.module:Loss, or {path: ..., kwargs: {...}}); a registered kind of LOSSES
+    loss: LossConfig = pydantic.Field(
+        "ppo", description="ppo | package.module:Loss | {path: ..., kwargs: {...}}")
 
 
 class SFTConfig(Config):

@@ -20,16 +20,18 @@ advantages without a critic (`advantages.grpo_advantages`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.api.loss import LossInputs
 from asyncrl.api.validation import check_range
 from asyncrl.train.aggregation import aggregate, masked_mean, normalizer_unit
-from asyncrl.train.config import LossAgg
 from asyncrl.train.corrections import bound_weights, cispo_token_loss, log_weights
 from asyncrl.train.regularizers import kl_penalty
-from asyncrl.train.config import PPOLossConfig
+
+if TYPE_CHECKING:
+    from asyncrl.train.config import LossAgg, PPOLossConfig
 
 
 def sft_loss(
@@ -174,8 +176,8 @@ class PPOLoss:
     """The built-in `PolicyLoss`: `ppo_actor_loss` on a micro-batch's `LossInputs`
     (`actor.loss: ppo`, the default)."""
 
-    def __init__(self, cfg: PPOLossConfig | None = None) -> None:
-        self.cfg = cfg or PPOLossConfig()
+    def __init__(self, cfg: PPOLossConfig) -> None:
+        self.cfg = cfg
         # what the trainer's step normaliser counts (aggregation.py): tokens or sequences
         self.normalize_by = normalizer_unit(self.cfg.loss_agg)
         self.needs_entropy = self.cfg.entropy_coef > 0

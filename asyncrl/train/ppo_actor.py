@@ -22,7 +22,6 @@ from asyncrl.train.advantages import AdvantageInputs, compute_advantages
 from asyncrl.train.critic import critic_token_loss
 from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
-from asyncrl.train.losses import PPOLoss
 from asyncrl.train.mismatch import MismatchMonitor
 from asyncrl.train.packing import PackedMicroBatch
 from asyncrl.train.proximal import approx_proximal_logprobs
@@ -91,7 +90,7 @@ class PPOActor:
                                 else "takes no critic; only 'gae' uses one"))
         self.engine, self.cfg, self.ref, self.critic = engine, cfg, ref, critic
         self.value_eps_clip = value_eps_clip
-        self.loss: PolicyLoss = loss if loss is not None else PPOLoss(cfg.ppo)
+        self.loss: PolicyLoss = loss if loss is not None else cfg.loss.build(cfg)
         self._batch_version = engine.version.value  # the weights the current batch started from
         self.monitor = MismatchMonitor()
         self._watching = False
@@ -166,8 +165,7 @@ class PPOActor:
             per_mb.append(self.engine.train_batch(
                 [samples[i] for i in part], self._micro_batch_loss,
                 {k: [v[i] for i in part] for k, v in data.items()},
-                normalize_by=getattr(self.loss, "normalize_by", "tokens"),
-                with_entropy=bool(getattr(self.loss, "needs_entropy", False))))
+                normalize_by=self.loss.normalize_by, with_entropy=self.loss.needs_entropy))
         self._watching = False
         self.engine.version.advance()
         for key in per_mb[0]:

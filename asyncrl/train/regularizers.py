@@ -9,10 +9,13 @@ REINFORCE++ style) or as a loss term (with gradient, GRPO style); `kl_reward` is
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.train.config import KLKind
+if TYPE_CHECKING:
+    from asyncrl.train.config import KLKind
+
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -25,7 +25,7 @@ from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.remote import RemoteInferenceEngine
 from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.launch.server_commands import server_command
+from train_helpers import make_backend, server_command
 from asyncrl.models.export import INDEX_FILE, save_weights_dir, untied_copy
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.config import TinyModelConfig
@@ -54,9 +54,9 @@ def trained(tmp_path_factory):
     run = root / "run"
     cfg = small_config(base, run, total_steps=1, checkpoint_every=1, checkpoint_shard_size=SHARD,
                        **{"eval.every": 0})
-    assert Trainer(cfg).train(workflow=digit_reward).steps == 1
+    assert Trainer(cfg).train(reward=digit_reward).steps == 1
     trainer = HFTrainEngine.from_pretrained(base, trainable=False)
-    load_state(run / "checkpoints/step_000001/trainer", trainer.parallel, {"engine": trainer})
+    load_state(run / "checkpoints/step_000001/state", trainer.parallel, {"trainer": trainer})
     return run / "checkpoints/step_000001/policy", trainer.model
 
 
@@ -86,8 +86,8 @@ def test_vllm_serves_a_sharded_training_checkpoint(vllm_python, trained, tmp_pat
     policy, model = trained
     assert len(sharded(policy)) >= 4
     with serve(vllm_python, policy, tmp_path / "logs") as served:
-        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=served.urls, backend="vllm",
-                                                          api_key=KEY))
+        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=served.urls,
+                                                          api_key=KEY), make_backend("vllm"))
 
         async def run():
             await engine.check_servers()
@@ -113,8 +113,8 @@ def test_vllm_untied_copy_and_sharded_disk_update(vllm_python, trained, tmp_path
                           max_shard_size=SHARD)
     assert "lm_head.weight" in json.loads((v1 / INDEX_FILE).read_text())["weight_map"]
     with serve(vllm_python, served_dir, tmp_path / "logs") as served:
-        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=served.urls, backend="vllm",
-                                                          api_key=KEY))
+        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=served.urls,
+                                                          api_key=KEY), make_backend("vllm"))
 
         async def run():
             await engine.update_weights(WeightUpdateMeta.from_disk(str(v1), 1))

@@ -27,13 +27,13 @@ import torch
 
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
 from asyncrl.inference.backend_protocol import LoraServing
-from asyncrl.inference.backends import make_backend
+from train_helpers import make_backend
 from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.remote import RemoteInferenceEngine
 from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_errors import RemoteEngineError, ServerCheckError
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.launch.server_commands import server_command
+from train_helpers import server_command
 from asyncrl.models.export import untied_copy
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import build_tiny_model
@@ -103,8 +103,8 @@ def server(vllm_python, model_dirs, tmp_path_factory):
 def engine(server):
     """One client for the module, as a job has: it knows which adapter its servers hold (a new
     client starts at the base model, version 0). Each test runs its own event loop."""
-    client = RemoteInferenceEngine(RemoteEngineConfig(addresses=server.urls, backend="vllm",
-                                                      api_key=KEY))
+    client = RemoteInferenceEngine(RemoteEngineConfig(addresses=server.urls,
+                                                      api_key=KEY), make_backend("vllm"))
     yield client
     client.close()
 
@@ -143,8 +143,7 @@ def test_startup_check_reads_the_servers_lora_settings(server):
     server (rank bound 8, KEEP + 1 slots, runtime updating on) takes rank 8 with KEEP versions;
     a larger rank or more kept versions is refused naming the flag to change."""
     def check(need: LoraServing) -> None:
-        client = RemoteInferenceEngine(
-            RemoteEngineConfig(addresses=server.urls, backend="vllm", api_key=KEY),
+        client = RemoteInferenceEngine(RemoteEngineConfig(addresses=server.urls, api_key=KEY),
             make_backend("vllm", lora=need))
         try:
             asyncio.run(client.check_servers())

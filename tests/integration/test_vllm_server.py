@@ -26,13 +26,13 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.api import GenerationConfig, ModelRequest, WeightUpdateMeta
-from asyncrl.inference.backends import VLLMBackend
+from asyncrl.inference.vllm_backend import VLLMBackend
 from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.remote import RemoteInferenceEngine
 from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_errors import ServerCheckError
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.launch.server_commands import server_command
+from train_helpers import make_backend, server_command
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.config import TinyModelConfig
@@ -75,8 +75,8 @@ def servers(vllm_python, model_dirs, tmp_path_factory):
 
 
 def engine_for(urls, **kw) -> RemoteInferenceEngine:
-    return RemoteInferenceEngine(RemoteEngineConfig(addresses=list(urls), backend="vllm",
-                                                    api_key=KEY, **kw))
+    return RemoteInferenceEngine(RemoteEngineConfig(addresses=list(urls),
+                                                    api_key=KEY, **kw), make_backend("vllm"))
 
 
 def hf_logprobs(model, prompt, output, temperature=1.0) -> list[float]:
@@ -186,7 +186,7 @@ def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs,
     i = cmd.argv.index("--logprobs-mode")
     del cmd.argv[i:i + 2]
     with LocalServers(lambda key: cmd, 1, tmp_path, 300) as plain:
-        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=plain.urls, backend="vllm"))
+        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=plain.urls), make_backend("vllm"))
         with pytest.raises(ServerCheckError) as err:
             asyncio.run(engine.check_servers())
     assert "VLLM_SERVER_DEV_MODE=1" in str(err.value)
@@ -202,8 +202,7 @@ def test_a_lora_job_refuses_a_server_started_without_lora(servers):
     from asyncrl.inference.backend_protocol import LoraServing
 
     for lora, ok in ((None, True), (LoraServing(8, 3), False)):
-        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=servers.urls[:1],
-                                                          backend="vllm", api_key=KEY),
+        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=servers.urls[:1], api_key=KEY),
                                        VLLMBackend(lora=lora))
         try:
             if ok:

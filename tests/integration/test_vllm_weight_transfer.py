@@ -21,10 +21,11 @@ import pytest
 
 from asyncrl.api import GenerationConfig
 from asyncrl.inference.backend_protocol import GroupJoin, HttpCall, WireTensor
-from asyncrl.inference.backends import VLLMBackend
+from asyncrl.inference.vllm_backend import VLLMBackend
 from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.launch.server_commands import free_port, server_command
+from asyncrl.inference.server_command import free_port
+from train_helpers import make_backend, server_command
 from asyncrl.models.export import untied_copy
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.config import TinyModelConfig
@@ -86,8 +87,8 @@ def test_the_remote_client_reads_each_servers_ranks(server):
     from asyncrl.inference.remote import RemoteInferenceEngine
     from asyncrl.inference.config import RemoteEngineConfig
 
-    engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=[server], backend="vllm",
-                                                      api_key=KEY, ranks_per_server=3))
+    engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=[server],
+                                                      api_key=KEY, ranks_per_server=3), make_backend("vllm"))
 
     async def ranks():
         try:

@@ -1,12 +1,14 @@
 """A training job on a Ray cluster (`launcher: ray`): trainer ranks as actors in one placement
 group, torch.distributed initialised inside them as torchrun would (gloo on CPU, NCCL on GPU).
+`RayLauncher` is the `Launcher` (launch/launchers.py) the ray kind builds.
 
 The driver (the `asyncrl train` process) connects to the cluster (or starts a local Ray), reserves
-one bundle per rank (`ray.*_per_rank`, `ray.placement_strategy`) and waits until the whole group
-fits, starts one actor per bundle, takes rank 0's node address and a free port there as the
-rendezvous, and runs the ordinary job in every actor with RANK / WORLD_SIZE / MASTER_ADDR set.
-Rank 0 leads as under torchrun: it runs the executor, evaluations and checkpoints, and (mode
-local) places the rollout servers as Ray actors of their own (`ray_servers.py`).
+one bundle per rank (`launcher.*_per_rank`, `launcher.placement_strategy`) and waits until the
+whole group fits, starts one actor per bundle, takes rank 0's node address and a free port there
+as the rendezvous, and runs the job's entry (the function a torchrun rank runs) in every actor
+with RANK / WORLD_SIZE / MASTER_ADDR set. Rank 0 leads as under torchrun: it runs the executor,
+evaluations and checkpoints, and (mode local) places the rollout servers as Ray actors of their
+own (`RayLauncher.servers`, ray_servers.py).
 
 Failures: the first rank to fail ends the job. An exception is re-raised as it is; a rank whose
 process died (a lost node, an OOM kill) raises `TrainerRankDied`, naming the rank and the latest
@@ -16,42 +18,23 @@ Ctrl-C too, so nothing keeps holding the cluster's resources.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.errors import JobFailed, UserError
+from asyncrl.launch.ray_servers import RayServers, node_address, record_placement
 
 if TYPE_CHECKING:
-    from asyncrl.launch.train import Trainer, TrainResult, TrainRunConfig
+    from asyncrl.launch.launchers import MakeCommand, RayLauncherConfig
+    from asyncrl.launch.train import TrainJob, TrainResult
 
-PLACEMENT_FILE = "ray_placement.json"
-RANK_ENV = "ASYNCRL_RAY_RANK"  # set inside a rank actor: run the job here, do not launch again
 CWD_ENV = "ASYNCRL_RAY_CWD"  # the driver's working directory
 # what every Ray worker of the job needs from the driver's environment
 PASSED_ENV = ("PYTHONPATH", "ASYNCRL_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")
-
-
-def record_placement(run_dir: Path, role: str, nodes: list[dict[str, Any]]) -> None:
-    """RUN/ray_placement.json[role] = nodes (what ran where, for the user and the tests)."""
-    path = Path(run_dir) / PLACEMENT_FILE
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[role] = nodes
-    path.write_text(json.dumps(data, indent=1))
-
-
-def node_address() -> str:
-    """This node's address as the cluster knows it (`ray start --node-ip-address`), which
-    `ray.util.get_node_ip_address()` (a routing guess) may not be."""
-    import ray
-
-    node = ray.get_runtime_context().get_node_id()
-    for n in ray.nodes():
-        if n["NodeID"] == node:
-            return n["NodeManagerAddress"]
-    return ray.util.get_node_ip_address()
 
 
 class TrainerRankDied(JobFailed):
@@ -59,7 +42,7 @@ class TrainerRankDied(JobFailed):
 
 
 class TrainerRank:
-    """One rank of the trainer group: the ordinary job, in this actor's process."""
+    """One rank of the trainer group: the job's entry, in this actor's process."""
 
     def rendezvous(self) -> tuple[str, int]:
         host = node_address()
@@ -67,18 +50,13 @@ class TrainerRank:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
-    def run(self, cfg: TrainRunConfig, run_dir: str, resume: bool, plugins: Any,
+    def run(self, entry: Callable[[TrainJob], TrainResult], job: TrainJob,
             env: dict[str, str]) -> TrainResult:
-        from asyncrl.launch.train import Trainer
-
         os.environ.update(env)
         # relative paths of the config (model, data, run dir) mean what they meant to the driver
         # (the nodes share its file system: checkpoints are written by every rank)
         os.chdir(env[CWD_ENV])
-        p = plugins
-        return Trainer(cfg, run_dir=run_dir).train(
-            p.workflow, eval_workflow=p.eval_workflow, loss=p.loss,
-            workflow_kwargs=p.workflow_kwargs, resume=resume)
+        return entry(job)
 
     def node(self) -> dict[str, Any]:
         import ray
@@ -87,31 +65,40 @@ class TrainerRank:
                 "pid": os.getpid()}
 
 
-def run_on_ray(trainer: Trainer) -> TrainResult:
-    """Run `trainer`'s job on the Ray cluster of `trainer.cfg.ray`; returns rank 0's result."""
-    try:
-        import ray
-    except ImportError as err:
-        raise UserError("launcher: ray needs Ray: pip install 'asyncrl[ray]'") from err
-    cfg = trainer.cfg.ray
-    started = not ray.is_initialized()
-    if started:
-        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        ray.init(address=cfg.address, runtime_env={"env_vars": env} if env else None,
-                 log_to_driver=True)
-    trainer.run_dir.mkdir(parents=True, exist_ok=True)  # every rank needs the same run dir
-    group = _TrainerGroup(ray, trainer)
-    try:
-        return group.run()
-    finally:
-        group.remove()
+class RayLauncher:
+    def __init__(self, cfg: RayLauncherConfig) -> None:
+        self.cfg = cfg
+
+    def run(self, job: TrainJob, entry: Callable[[TrainJob], TrainResult]) -> TrainResult:
+        """On the driver: `entry(job)` in one actor per rank; rank 0's result."""
+        try:
+            import ray
+        except ImportError as err:
+            raise UserError("launcher: ray needs Ray: pip install 'asyncrl[ray]'") from err
+        started = not ray.is_initialized()
         if started:
-            ray.shutdown()
+            env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+            ray.init(address=self.cfg.address, runtime_env={"env_vars": env} if env else None,
+                     log_to_driver=True)
+        job.run_dir.mkdir(parents=True, exist_ok=True)  # every rank needs the same run dir
+        group = _TrainerGroup(ray, self.cfg, job, entry)
+        try:
+            return group.run()
+        finally:
+            group.remove()
+            if started:
+                ray.shutdown()
+
+    def servers(self, make: MakeCommand, count: int, log_dir: Path,
+                startup_timeout_s: float) -> RayServers:
+        """Inside rank 0's actor: the servers as Ray actors, on nodes with their resources."""
+        return RayServers(make, count, log_dir, startup_timeout_s, self.cfg)
 
 
 class _TrainerGroup:
-    def __init__(self, ray: Any, trainer: Trainer) -> None:
-        self.ray, self.trainer, self.cfg = ray, trainer, trainer.cfg.ray
+    def __init__(self, ray: Any, cfg: RayLauncherConfig, job: TrainJob,
+                 entry: Callable[[TrainJob], TrainResult]) -> None:
+        self.ray, self.cfg, self.job, self.entry = ray, cfg, job, entry
         self.pg: Any = None
         self.actors: list[Any] = []
 
@@ -139,21 +126,21 @@ class _TrainerGroup:
                 max_restarts=0).remote())
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         self._record_placement()
-        t = self.trainer
-        refs = [a.run.remote(t.cfg, str(t.run_dir), t.resume, t.plugins,
-                             self._env(i, addr, port)) for i, a in enumerate(self.actors)]
+        refs = [a.run.remote(self.entry, self.job, self._env(i, addr, port))
+                for i, a in enumerate(self.actors)]
         return self._wait(refs)
 
     def _record_placement(self) -> None:
         """Where each rank landed: logged, and in RUN/ray_placement.json with the servers'."""
         nodes = self.ray.get([a.node.remote() for a in self.actors])
-        self.trainer.console.print("trainer ranks placed by Ray: " + ", ".join(
-            f"rank {i} on node {n['node'][:8]} ({n['ip']})" for i, n in enumerate(nodes)))
-        record_placement(self.trainer.run_dir, "trainer_ranks", nodes)
+        print("trainer ranks placed by Ray: " + ", ".join(
+            f"rank {i} on node {n['node'][:8]} ({n['ip']})" for i, n in enumerate(nodes)),
+            file=sys.stderr, flush=True)
+        record_placement(self.job.run_dir, "trainer_ranks", nodes)
 
     def _env(self, rank: int, addr: str, port: int) -> dict[str, str]:
         # LOCAL_RANK 0: Ray gives each rank actor its own CUDA_VISIBLE_DEVICES
-        return {RANK_ENV: "1", CWD_ENV: os.getcwd(), "RANK": str(rank), "WORLD_SIZE": str(self.cfg.trainer_ranks),
+        return {CWD_ENV: os.getcwd(), "RANK": str(rank), "WORLD_SIZE": str(self.cfg.trainer_ranks),
                 "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": addr,
                 "MASTER_PORT": str(port)}
 
@@ -191,7 +178,7 @@ class _TrainerGroup:
     def _died(self, rank: int, err: Exception) -> str:
         from asyncrl.launch.run_checkpoints import latest_checkpoint
 
-        run_dir = self.trainer.run_dir
+        run_dir = self.job.run_dir
         try:
             latest = f"latest checkpoint {latest_checkpoint(run_dir).name}"
         except UserError:
@@ -213,4 +200,4 @@ class _TrainerGroup:
             remove_placement_group(self.pg)
 
 
-__all__ = ["RANK_ENV", "TrainerRankDied", "run_on_ray"]
+__all__ = ["RayLauncher", "TrainerRankDied"]
