@@ -17,18 +17,17 @@ from asyncrl.errors import JobFailed, UserError
 
 def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     """`CONFIG k=v k=v` or just `k=v ...`: the first non-override argument is the YAML path."""
-    if args and "=" not in args[0]:
-        return args[0], args[1:]
-    return None, args
+    path, overrides = (args[0], args[1:]) if args and "=" not in args[0] else (None, args)
+    bad = [a for a in overrides if "=" not in a]
+    if bad:
+        raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
+    return path, overrides
 
 
 def cmd_sft(ns: argparse.Namespace) -> int:
     from asyncrl.launch.sft_config import SFTRunConfig
 
     path, overrides = _split_config_and_overrides(ns.args)
-    bad = [a for a in overrides if "=" not in a]
-    if bad:
-        raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
     cfg = SFTRunConfig.load(path, overrides)
     if ns.print_config:
         return _print_config(cfg)
@@ -38,9 +37,7 @@ def cmd_sft(ns: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"model_dir={result.model_dir} eval_accuracy={result.eval_accuracy:.4f} "
               f"train_seconds={result.train_seconds:.1f} cached={result.cached}")
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        _exit_torchrun_worker(0)
-    return 0
+    return _exit_torchrun_worker(0)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -99,9 +96,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from asyncrl.launch.train_config import TrainRunConfig, load_run_config
 
     path, overrides = _split_config_and_overrides(ns.args)
-    bad = [a for a in overrides if "=" not in a]
-    if bad:
-        raise UserError(f"expected key.sub=value overrides after the config file, got {bad}")
     if ns.ray:  # first, so that launcher.* overrides refine it
         address = "null" if ns.ray == "local" else ns.ray
         overrides = [f"launcher={{kind: ray, address: '{address}'}}" if address != "null"
@@ -118,10 +112,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from asyncrl.launch.train import Trainer
 
     result = Trainer(cfg, run_dir=ns.resume).train(resume=bool(ns.resume))
-    code = _report(result) if os.environ.get("RANK", "0") == "0" else 0
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        _exit_torchrun_worker(code)  # torchrun workers skip interpreter teardown
-    return code
+    return _exit_torchrun_worker(_report(result) if os.environ.get("RANK", "0") == "0" else 0)
 
 
 def _print_config(cfg) -> int:
@@ -140,10 +131,12 @@ def _report(result) -> int:
     return 130 if result.stopped_by == "interrupted" else 0
 
 
-def _exit_torchrun_worker(code: int) -> None:
-    """Under torchrun every rank leaves with os._exit, because C++ threads of the
-    torch.distributed stack torn down at interpreter exit can abort a finished worker
+def _exit_torchrun_worker(code: int) -> int:
+    """`code`; under torchrun every rank leaves with os._exit instead, because C++ threads of
+    the torch.distributed stack torn down at interpreter exit can abort a finished worker
     ("terminate called without an active exception")."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        return code
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

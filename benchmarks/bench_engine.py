@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from gpu_common import matmul_gflops  # benchmarks/ is on sys.path when run
+
 from asyncrl.api import GenerationConfig, ModelRequest
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 
@@ -48,18 +50,6 @@ def build_model(path: str) -> transformers.PreTrainedModel:
     model = transformers.Qwen2ForCausalLM(cfg).eval()
     model.save_pretrained(path)
     return model
-
-
-def matmul_gflops(n: int = 2048, reps: int = 20) -> float:
-    """Best of `reps` (~0.1 s each): one quiet moment suffices on a shared machine."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
 
 
 def run_hf(model, prompts: torch.Tensor, new_tokens: int, greedy: bool) -> float:

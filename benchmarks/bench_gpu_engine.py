@@ -19,6 +19,7 @@ import os
 
 import torch
 from gpu_common import (
+    count_parameters,
     check_device,
     default_device,
     device_name,
@@ -32,7 +33,6 @@ from gpu_common import (
 from asyncrl.api import GenerationConfig, ModelRequest
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import count_parameters
 
 REGULAR_TOKENS = 151_643  # ids below Qwen's added tokens
 

@@ -25,6 +25,7 @@ import os
 import torch
 from bench_train import HFLoop, make_samples  # the tiny-model benchmark's baseline and samples
 from gpu_common import (
+    count_parameters,
     H100_BF16_DENSE_FLOPS,
     check_device,
     default_device,
@@ -38,7 +39,6 @@ from gpu_common import (
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import count_parameters
 from asyncrl.train.engine import HFTrainEngine, sft_token_loss
 from asyncrl.train.config import TrainEngineConfig
 from asyncrl.train.config import OptimizerConfig

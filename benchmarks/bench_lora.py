@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 import torch
-from bench_engine import matmul_gflops  # the one shared roofline probe (same dir)
+from gpu_common import matmul_gflops  # the one shared roofline probe (same dir)
 from bench_train import make_samples
 
 from asyncrl.models.tiny import build_tiny_model
@@ -54,9 +54,9 @@ def measure(side: str, args: argparse.Namespace, out: Any) -> None:
     """One side in this (child) process; puts its numbers on `out`."""
     torch.set_num_threads(args.threads)
     lora = LoraConfig(r=args.r, alpha=2.0 * args.r) if side == "lora" else None
-    cfg = TrainEngineConfig(max_tokens_per_mb=args.max_tokens_per_mb, lora=lora,
+    cfg = TrainEngineConfig(max_tokens_per_mb=args.max_tokens_per_mb,
                             optimizer=OptimizerConfig(lr=1e-5, grad_clip=None))
-    engine = HFTrainEngine.from_pretrained(args.model, cfg, dtype="float32")
+    engine = HFTrainEngine.from_pretrained(args.model, cfg, dtype="float32", lora=lora)
     vocab = engine.model.config.vocab_size
     samples = make_samples(args.samples, 16, args.max_len, min(vocab, 30000), seed=0)
     engine.train_batch(samples, sft_token_loss)  # warm-up; allocates Adam's state

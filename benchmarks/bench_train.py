@@ -36,13 +36,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from bench_engine import (
-    matmul_gflops,  # the one shared roofline probe (same dir as this script)
-)
+from gpu_common import count_parameters, matmul_gflops  # same dir as this script
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
-from asyncrl.models.tiny import build_tiny_model, count_parameters
+from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.config import TinyModelConfig
 from asyncrl.train.engine import HFTrainEngine, sft_token_loss
 from asyncrl.train.config import TrainEngineConfig

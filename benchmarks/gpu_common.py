@@ -47,8 +47,13 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def matmul_gflops(device: torch.device, dtype: torch.dtype, n: int | None = None,
-                  reps: int = 10) -> float:
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied embedding and head count once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def matmul_gflops(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+                  n: int | None = None, reps: int = 20) -> float:
     """Best-of-`reps` square matmul GFLOP/s on `device` in `dtype` (a quiet moment suffices)."""
     n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device).to(dtype)

@@ -9,6 +9,10 @@ process (seed=S changes the data order and the trainer's RNG; the warm start is 
 table (held-out greedy accuracy at step 0, after the training-time budget, best, gain, time to
 +30 points), the mean and the worst seed, and writes the record the README quotes and
 tests/test_main_job_record.py checks (benchmarks/results/main_job.json).
+
+The budget is wall-clock training time, so the figures move with the machine: the record keeps
+the fp32 matmul GFLOP/s measured before and after the seeds (all cores; best of 20 tries, so a
+busy moment does not lower it) beside them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_real import RunSummary, run_train  # noqa: E402
+from gpu_common import matmul_gflops  # noqa: E402
 
 from asyncrl.launch.sft import load_cached, output_dir_for  # noqa: E402
 from asyncrl.launch.train_config import TrainRunConfig  # noqa: E402
@@ -123,6 +128,8 @@ def main() -> None:
     cached_before = load_cached(warm) is not None
     console.print(f"cache {os.environ.get('ASYNCRL_CACHE', '~/.cache/asyncrl')}: warm start "
                   f"{'cached' if cached_before else 'not cached (the first run trains it)'}")
+    gflops_before = matmul_gflops()
+    console.print(f"fp32 matmul: {gflops_before:.0f} GFLOP/s ({os.cpu_count()} cores)")
     rows = []
     first_wall = None
     for seed in range(args.seeds):
@@ -139,6 +146,8 @@ def main() -> None:
         "train_seconds": round(sft.train_seconds, 1), "eval_accuracy": sft.eval_accuracy,
         "steps": sft.steps, "trained_here": not cached_before}
     summary = report(rows, sft_info, console)
+    gflops = [round(gflops_before), round(matmul_gflops())]
+    console.print(f"fp32 matmul GFLOP/s before / after the seeds: {gflops[0]} / {gflops[1]}")
     if not cached_before:
         console.print(f"first command from an empty cache (SFT + RL + evals): "
                       f"{first_wall / 60:.1f} min wall")
@@ -148,7 +157,7 @@ def main() -> None:
                        + (" --fresh-cache" if args.fresh_cache else ""),
             "date": datetime.date.today().isoformat(),
             "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
-                        "torch": torch.__version__},
+                        "torch": torch.__version__, "matmul_gflops_before_after": gflops},
             "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
             "config_sha256": config_sha256(config), "warm_start": warm.name,
             "first_command_wall_seconds": None if cached_before else round(first_wall, 1),

@@ -20,7 +20,7 @@ from asyncrl.inference.engine import resolve_device, resolve_dtype
 from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.llama import LlamaArgs
 from asyncrl.inference.model_runner import iter_safetensors
-from asyncrl.launch.devices import check_engine_placement, resolve
+from asyncrl.launch.train import check_engine_placement
 
 VOCAB = 128
 HAS_CUDA = torch.cuda.is_available()
@@ -103,8 +103,8 @@ def test_settings_validate_device_dtype_and_memory_fraction():
 
 def test_resolve_device_and_dtype(monkeypatch):
     cpu = torch.device("cpu")
-    assert resolve_device("cpu") == cpu == resolve("cpu")
-    assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu") == resolve(None).type
+    assert resolve_device("cpu") == cpu
+    assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cuda", 0)) == torch.float32
@@ -142,11 +142,8 @@ def test_check_engine_placement_refuses_a_silent_split():
     with pytest.raises(ValueError, match=r"device='cpu'.*trainer runs on cuda:0.*'auto' or "
                                          r"'cuda'.*inference.mode='local'.*'remote'"):
         check_engine_placement(cuda, "inprocess", EngineSettings(device="cpu"))
-    assert check_engine_placement(cuda, "local", EngineSettings(device="cpu")) is None
-    assert check_engine_placement("cpu", "remote", EngineSettings()) is None
-    assert check_engine_placement("cpu", "inprocess", EngineSettings(device="cpu")).type == "cpu"
-    expected = "cuda" if HAS_CUDA else "cpu"
-    assert check_engine_placement(None, "inprocess", EngineSettings()).type == expected
+    check_engine_placement(cuda, "local", EngineSettings(device="cpu"))  # servers: their own
+    check_engine_placement(torch.device("cpu"), "inprocess", EngineSettings(device="cpu"))
 
 
 # ---- KV cache budget -----------------------------------------------------------------------

@@ -287,6 +287,10 @@ def test_math_reward_runs_math_verify_in_the_pool():
     with open_reward("math") as reward:
         assert asyncio.run(reward("so #### 1/2", {"answer": "0.5"})) == 1.0
         assert asyncio.run(reward("#### 3", {"answer": "0.5"})) == 0.0
+        # what a training run logs after each step: how calls ended, the pool's health
+        metrics = reward.metrics()
+        assert metrics["reward/math/ok"] == 2.0 and metrics["reward/math/worker_restarts"] == 0
+        assert metrics["reward/math/latency_s"] > 0
 
 
 # ---- finding the model, reading the data -------------------------------------------------
@@ -309,16 +313,18 @@ def test_find_policy_dir_layouts(tmp_path):
     run = tmp_path / "run"
     for step in (50, 200, 150):
         fake_model_dir(run / "checkpoints" / f"step_{step:06d}" / "policy")
+        (run / "checkpoints" / f"step_{step:06d}" / "state.json").write_text("{}")
+    fake_model_dir(run / "checkpoints" / "step_000250" / "policy")  # no state.json: incomplete
     (run / "checkpoints" / ".step_000300.tmp").mkdir()  # a half-written save is ignored
     assert find_policy_dir(run) == run / "checkpoints" / "step_000200" / "policy"
     (run / "checkpoints" / "latest").write_text("step_000150\n")
     assert find_policy_dir(str(run)) == run / "checkpoints" / "step_000150" / "policy"
-
+    # the checkpoint a resume would take: a stale `latest` falls back to the newest complete one
     (run / "checkpoints" / "latest").write_text("step_000999\n")
-    with pytest.raises(UserError, match="step_000999"):
-        find_policy_dir(run)
+    assert find_policy_dir(run) == run / "checkpoints" / "step_000200" / "policy"
     broken = tmp_path / "broken"
     (broken / "checkpoints" / "step_000010" / "trainer").mkdir(parents=True)
+    (broken / "checkpoints" / "step_000010" / "state.json").write_text("{}")
     with pytest.raises(UserError, match="step_000010 has no policy/config.json"):
         find_policy_dir(broken)
     with pytest.raises(UserError, match="looked for .*config.json.*policy/config.json.*step_"):
@@ -370,6 +376,7 @@ def run_cli(*args):
 
 def test_cli_eval_end_to_end(tmp_path):
     model = build_tiny_model(TINY, tmp_path / "run" / "checkpoints" / "step_000007" / "policy")
+    (model.parent / "state.json").write_text("{}")  # what marks a checkpoint complete
     data = tmp_path / "five.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": f"#### {i + 1}"}) + "\n"
                             for i in range(5)))

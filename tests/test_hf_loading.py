@@ -25,7 +25,8 @@ from train_helpers import server_command
 from asyncrl.models.hub import looks_local
 from asyncrl.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_dir
 from asyncrl.models.config import ModelConfig
-from asyncrl.launch.trainer_group import load_critic
+from asyncrl.train.critic import load_critic
+from asyncrl.train.parallel import SingleProcess
 from asyncrl.train.config import CriticConfig
 from asyncrl.train.engine import HFTrainEngine
 
@@ -135,7 +136,7 @@ def test_every_loader_honours_trust_remote_code(custom_dir, tmp_path):
     for load in (lambda trust: load_causal_lm(custom_dir, trust_remote_code=trust),
                  lambda trust: load_tokenizer(custom_dir, trust),
                  lambda trust: HFTrainEngine.from_pretrained(custom_dir, trust_remote_code=trust),
-                 lambda trust: load_critic(custom_dir, CriticConfig(), "float32", 10, trust),
+                 lambda trust: load_critic(custom_dir, CriticConfig(), "float32", 10, SingleProcess(), trust),
                  lambda trust: LLMEngine(EngineConfig(model_path=str(custom_dir),
                                                       max_num_seqs=2, trust_remote_code=trust))):
         with pytest.raises(ModelLoadError, match=NEEDS_TRUST):

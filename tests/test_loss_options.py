@@ -20,10 +20,11 @@ from asyncrl.train.corrections import (bound_weights, cispo_token_loss, icepop, 
                                        mask_above, truncate)
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.config import TrainEngineConfig
-from asyncrl.train.losses import ppo_actor_loss, ppo_policy_loss
+from asyncrl.train.losses import ppo_actor_loss
 from asyncrl.train.config import PPOLossConfig
 from asyncrl.train.config import OptimizerConfig
-from asyncrl.launch.trainer_group import load_critic
+from asyncrl.train.critic import load_critic
+from asyncrl.train.parallel import SingleProcess
 from asyncrl.train.checkpoint import load_state
 from asyncrl.train.config import CriticConfig
 from asyncrl.train.critic import ValueModel
@@ -96,14 +97,14 @@ def test_packed_loss_equals_padded(agg, level, mode):
                         behav_imp_weight_mode=mode)
     lp, prox, behav, adv, mask = _batch()
     padded_lp = lp.clone().requires_grad_(True)
-    loss_p, _ = ppo_policy_loss(padded_lp, prox, behav, adv, mask, 2.0, cfg)
+    loss_p, _ = ppo_actor_loss(padded_lp, prox, behav, adv, mask, 2.0, cfg)
     loss_p.backward()
     flat = mask.flatten()
     seq_id = torch.arange(3).repeat_interleave(6)[flat]
     packed_lp = lp.flatten()[flat].clone().requires_grad_(True)
-    loss_k, _ = ppo_policy_loss(packed_lp, prox.flatten()[flat], behav.flatten()[flat],
+    loss_k, _ = ppo_actor_loss(packed_lp, prox.flatten()[flat], behav.flatten()[flat],
                                 adv.flatten()[flat], torch.ones_like(seq_id, dtype=torch.bool),
-                                2.0, cfg, seq_id)
+                                2.0, cfg, seq_id=seq_id)
     loss_k.backward()
     assert float(loss_k.detach()) == pytest.approx(float(loss_p.detach()), rel=1e-6)
     torch.testing.assert_close(packed_lp.grad, padded_lp.grad.flatten()[flat])
@@ -270,7 +271,7 @@ def test_critic_is_checkpointed_and_resumed(model_dir, tmp_path, monkeypatch):
 
 def critic_weights(model_dir, ckpt) -> dict[str, torch.Tensor]:
     """The critic's weights in a run checkpoint, read into a fresh critic engine."""
-    critic = load_critic(model_dir, CriticConfig(), "float32", 10)
+    critic = load_critic(model_dir, CriticConfig(), "float32", 10, SingleProcess())
     load_state(ckpt / "state", critic.parallel, {"critic": critic})
     return {k: v.detach().clone() for k, v in critic.model.state_dict().items()}
 

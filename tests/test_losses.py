@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.train.aggregation import aggregate, normalizer_count, normalizer_unit
-from asyncrl.train.losses import critic_value_loss, ppo_actor_loss, ppo_policy_loss, sft_loss
+from asyncrl.train.losses import critic_value_loss, ppo_actor_loss, sft_loss
 from asyncrl.train.config import PPOLossConfig
 from asyncrl.train.proximal import approx_proximal_logprobs, proximal_logprobs
 from asyncrl.train.config import ProximalConfig
@@ -33,7 +33,7 @@ def ratio_case(ratios, adv, cfg, prox_equals_behav=True):
     lp = torch.tensor([math.log(r) for r in ratios], dtype=F64, requires_grad=True)
     zeros = torch.zeros(len(ratios), dtype=F64)
     adv_t = t(adv)
-    loss, stats = ppo_policy_loss(lp, zeros, zeros, adv_t, ones_like_mask(zeros), len(ratios), cfg)
+    loss, stats = ppo_actor_loss(lp, zeros, zeros, adv_t, ones_like_mask(zeros), len(ratios), cfg)
     loss.backward()
     return loss.item(), stats, lp.grad.tolist()
 
@@ -105,7 +105,7 @@ def test_decoupled_equals_standard_ppo_when_proximal_is_behaviour():
     adv = torch.randn(2, 4, dtype=F64)
     mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
     cfg = PPOLossConfig(eps_clip=0.2, behav_imp_weight_cap=2.0)
-    loss, stats = ppo_policy_loss(lp, old, old, adv, mask, 6, cfg)
+    loss, stats = ppo_actor_loss(lp, old, old, adv, mask, 6, cfg)
     expected = 0.0
     for i in range(2):
         for j in range(4):
@@ -124,7 +124,7 @@ def test_behaviour_weight_cap_vs_mask(mode, kept):
     behav = torch.zeros(3, dtype=F64)
     lp = prox.clone().requires_grad_()  # ratio 1: the loss is -A * w
     cfg = PPOLossConfig(behav_imp_weight_cap=3.0, behav_imp_weight_mode=mode)
-    loss, stats = ppo_policy_loss(lp, prox, behav, t([1.0] * 3), ones_like_mask(prox), 3, cfg)
+    loss, stats = ppo_actor_loss(lp, prox, behav, t([1.0] * 3), ones_like_mask(prox), 3, cfg)
     loss.backward()
     assert loss.item() == pytest.approx(-sum(kept) / 3, abs=1e-12)
     assert lp.grad.tolist() == pytest.approx([-w / 3 for w in kept], abs=1e-12)
@@ -136,7 +136,7 @@ def test_behaviour_weight_cap_vs_mask(mode, kept):
 def test_uncapped_behaviour_weight_is_the_raw_ratio():
     prox, behav = t([math.log(5.0)]), t([0.0])
     lp = prox.clone().requires_grad_()
-    loss, _ = ppo_policy_loss(lp, prox, behav, t([1.0]), ones_like_mask(prox), 1, PPOLossConfig())
+    loss, _ = ppo_actor_loss(lp, prox, behav, t([1.0]), ones_like_mask(prox), 1, PPOLossConfig())
     assert loss.item() == pytest.approx(-5.0)
 
 
@@ -149,7 +149,7 @@ def test_sequence_level_ratio_is_geometric_mean_per_sequence():
     # Row 1's padding holds a huge logprob that must not leak into the ratio.
     lp = t([[0.1, 0.2, 0.3], [-0.1, 0.0, 50.0]]).requires_grad_()
     cfg = PPOLossConfig(eps_clip=0.2, ratio_level="sequence", loss_agg="seq_mean_token_mean")
-    loss, _ = ppo_policy_loss(lp, prox, prox, torch.ones(2, 3, dtype=F64), mask, 2, cfg)
+    loss, _ = ppo_actor_loss(lp, prox, prox, torch.ones(2, 3, dtype=F64), mask, 2, cfg)
     loss.backward()
     s0, s1 = math.exp(0.2), math.exp(-0.05)  # exp(mean log-ratio)
     assert s0 > 1.2  # row 0 clipped to 1.2
@@ -162,7 +162,7 @@ def test_sequence_level_ratio_is_geometric_mean_per_sequence():
 def unit_ratio_loss(adv, mask, agg, normalizer):
     zeros = torch.zeros_like(adv)
     cfg = PPOLossConfig(loss_agg=agg)
-    return ppo_policy_loss(zeros, zeros, zeros, adv, mask, normalizer, cfg)[0].item()
+    return ppo_actor_loss(zeros, zeros, zeros, adv, mask, normalizer, cfg)[0].item()
 
 
 def test_token_vs_sequence_aggregation():
@@ -198,11 +198,11 @@ def test_micro_batches_with_global_normalizer_equal_one_big_batch(agg, level):
         eps_clip_higher=0.3, c_clip=2.0, behav_imp_weight_cap=1.5, ratio_level=level, loss_agg=agg
     )
     norm = normalizer_count(mask, normalizer_unit(agg))
-    full, _ = ppo_policy_loss(lp, prox, behav, adv, mask, norm, cfg)
+    full, _ = ppo_actor_loss(lp, prox, behav, adv, mask, norm, cfg)
     (full_grad,) = torch.autograd.grad(full, lp)
     total = 0.0
     for rows in (slice(0, 1), slice(1, 4)):
-        part, _ = ppo_policy_loss(
+        part, _ = ppo_actor_loss(
             lp[rows], prox[rows], behav[rows], adv[rows], mask[rows], norm, cfg
         )
         part.backward()
@@ -215,7 +215,7 @@ def test_padding_garbage_cannot_make_loss_or_grad_nan():
     lp = t([[0.0, 1e4], [0.1, float("inf")]]).requires_grad_()
     prox = t([[0.0, -1e4], [0.0, 0.0]])
     mask = torch.tensor([[1, 0], [1, 0]], dtype=torch.bool)
-    loss, _ = ppo_policy_loss(lp, prox, prox, torch.ones(2, 2, dtype=F64), mask, 2, PPOLossConfig())
+    loss, _ = ppo_actor_loss(lp, prox, prox, torch.ones(2, 2, dtype=F64), mask, 2, PPOLossConfig())
     loss.backward()
     assert math.isfinite(loss.item())
     assert torch.isfinite(lp.grad).all() and lp.grad[:, 1].abs().sum() == 0

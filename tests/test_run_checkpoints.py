@@ -16,7 +16,6 @@ from asyncrl.launch.run_checkpoints import (
     RunCheckpointer,
     _prune,
     latest_checkpoint,
-    latest_step_dir,
     step_dir,
     step_dirs,
 )
@@ -55,17 +54,6 @@ def test_resume_takes_latest_else_the_newest_complete_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 10)
     (checkpoints / LATEST).write_text("step_000099\n")  # stale: resume goes on from what is there
     assert latest_checkpoint(tmp_path) == twenty
-
-
-def test_latest_step_dir_for_eval_is_strict_about_latest(tmp_path):
-    checkpoints = tmp_path / "checkpoints"
-    checkpoints.mkdir()
-    assert latest_step_dir(checkpoints) is None
-    make_step(tmp_path, 5, complete=False)
-    assert latest_step_dir(checkpoints) == step_dir(tmp_path, 5)
-    (checkpoints / LATEST).write_text("")
-    with pytest.raises(UserError, match="names '', which is not a directory"):
-        latest_step_dir(checkpoints)
 
 
 def test_every_registered_part_is_saved_and_restored(tmp_path):

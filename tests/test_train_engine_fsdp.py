@@ -42,7 +42,7 @@ from asyncrl.models.config import TinyModelConfig
 from asyncrl.train.checkpoint import load_state, save_state
 from asyncrl.train.config import OptimizerConfig, TrainEngineConfig
 from asyncrl.train.engine import HFTrainEngine, sft_token_loss
-from asyncrl.train.rng import derived_seed, rng_state
+from asyncrl.train.engine import derived_seed, rng_state
 from asyncrl.train.packing import pack_samples, shared_prefix_layout
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -144,7 +144,7 @@ def _equal_to_one_process(engine) -> dict[str, Any]:
 def _sharded_resume(engine, model_dir: str, work: Path) -> dict[str, Any]:
     """Save after STEPS steps, go on one step; a fresh 2-rank engine resumes and steps."""
     ckpt = work / "ckpt_2ranks"
-    torch.manual_seed(100 + engine.rank)  # distinct per-rank RNG states, each must come back
+    torch.manual_seed(100 + engine.parallel.rank)  # distinct per-rank RNG states, each must come back
     rng_at_save = torch.get_rng_state()
     at_save = {"optim": full_optimizer_state(engine), "weights": engine.model_state_dict()}
     engine.version.set(5)
@@ -155,7 +155,7 @@ def _sharded_resume(engine, model_dir: str, work: Path) -> dict[str, Any]:
     resumed = fsdp_engine(model_dir)
     extra = Extra()
     load_state(ckpt, resumed.parallel, {"trainer": resumed},
-               {"data": extra} if resumed.rank == 0 else None)
+               {"data": extra} if resumed.parallel.rank == 0 else None)
     rng_back = torch.equal(torch.get_rng_state(), rng_at_save)
     loaded = {"optim": full_optimizer_state(resumed), "weights": resumed.model_state_dict(),
               "step": resumed.step, "version": resumed.version.value, "extra": extra.state}
@@ -168,10 +168,10 @@ def _resume_from_one_process(model_dir: str, ckpt: Path, saved_rng: dict) -> dic
     engine = fsdp_engine(model_dir)
     load_state(ckpt, engine.parallel, {"trainer": engine})
     got = torch.get_rng_state()
-    if engine.rank == 0:
+    if engine.parallel.rank == 0:
         expected = saved_rng["torch"]
     else:
-        torch.manual_seed(derived_seed(saved_rng, engine.rank))
+        torch.manual_seed(derived_seed(saved_rng, engine.parallel.rank))
         expected = torch.get_rng_state()
     rng_ok = _all_ranks(torch.equal(got, expected))
     return {"weights": engine.model_state_dict(), "optim": full_optimizer_state(engine),
@@ -217,7 +217,7 @@ def _worker(model_dir: str, work: str) -> None:
            "from_one": _resume_from_one_process(model_dir, work_dir / "ckpt_1proc", saved_rng),
            "bf16": _bf16(model_dir),
            "checkpointing": _activation_checkpointing(model_dir)}
-    if engine.rank == 0:
+    if engine.parallel.rank == 0:
         torch.save(out, work_dir / "fsdp.pt")
     torch.distributed.destroy_process_group()
 

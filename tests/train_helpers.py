@@ -38,7 +38,7 @@ def server_command(backend: str, model_dir, **launch):
     import sys
 
     from asyncrl.inference.backends import BACKENDS
-    from asyncrl.inference.server_command import ServerLaunch
+    from asyncrl.inference.backend_protocol import ServerLaunch
 
     launch.setdefault("python", sys.executable)
     if "extra_args" in launch:

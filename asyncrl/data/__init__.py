@@ -8,14 +8,13 @@ one with a `DatasetConfig` (the `DATASETS` registry, by `kind`) and call `.build
 
 from asyncrl.data.arithmetic import ArithmeticTask, ArithmeticTaskConfig
 from asyncrl.data.dataset import DATASETS, DatasetConfig, TaskDataset, parse_dataset_config
-from asyncrl.data.files import FileDataset, FileDatasetConfig
-from asyncrl.data.gsm8k import GSM8KConfig, GSM8KDataset
-from asyncrl.data.hf import HFDataset, HFDatasetConfig
-from asyncrl.data.split import DatasetError, Row, deterministic_split
+from asyncrl.data.files import FileDatasetConfig
+from asyncrl.data.gsm8k import GSM8KConfig
+from asyncrl.data.hf import HFDatasetConfig
+from asyncrl.data.split import DatasetError, Row, SplitRows, deterministic_split
 
 __all__ = [
-    "ArithmeticTask", "ArithmeticTaskConfig", "DatasetConfig", "DatasetError", "FileDataset",
-    "FileDatasetConfig", "GSM8KConfig", "GSM8KDataset", "HFDataset", "HFDatasetConfig", "Row",
-    "TaskDataset",
+    "ArithmeticTask", "ArithmeticTaskConfig", "DatasetConfig", "DatasetError",
+    "FileDatasetConfig", "GSM8KConfig", "HFDatasetConfig", "Row", "SplitRows", "TaskDataset",
     "DATASETS", "deterministic_split", "parse_dataset_config",
 ]

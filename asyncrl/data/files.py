@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from asyncrl.data.gsm8k import LocalFileSource
 from asyncrl.data.records import RecordFields, records_to_rows
-from asyncrl.data.split import DatasetError, Row, deterministic_split
+from asyncrl.data.split import DatasetError, Row, SplitRows, split_rows
 
 BUILDER = {"jsonl": "json", "parquet": "parquet"}  # our kind -> `datasets` packaged builder
 
@@ -25,8 +25,11 @@ BUILDER = {"jsonl": "json", "parquet": "parquet"}  # our kind -> `datasets` pack
 class FileDatasetConfig(RecordFields, LocalFileSource):
     kind: Literal["jsonl", "parquet"]  # the file's format
 
-    def build(self) -> FileDataset:
-        return FileDataset(self)
+    def build(self) -> SplitRows:
+        """Train/eval rows of the file (plus an optional separate eval file)."""
+        return split_rows(read_rows(self.path, self),
+                          self.eval_path and (lambda: read_rows(self.eval_path, self)),
+                          self.eval_fraction, self.seed)
 
 
 @contextlib.contextmanager
@@ -73,22 +76,3 @@ def read_records(path: str, kind: str) -> list[dict[str, Any]]:
 
 def read_rows(path: str, cfg: FileDatasetConfig) -> list[Row]:
     return records_to_rows(read_records(path, cfg.kind), cfg, path)
-
-
-class FileDataset:
-    """Train/eval rows of a local JSONL or parquet file (plus an optional separate eval file)."""
-
-    def __init__(self, cfg: FileDatasetConfig):
-        self.cfg = cfg
-        rows = read_rows(cfg.path, cfg)
-        if cfg.eval_path is None:
-            self._train, self._eval = deterministic_split(rows, cfg.eval_fraction, cfg.seed)
-        else:
-            self._train = rows
-            self._eval = read_rows(cfg.eval_path, cfg)
-
-    def train_rows(self) -> list[Row]:
-        return list(self._train)
-
-    def eval_rows(self) -> list[Row]:
-        return list(self._eval)

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import pydantic
 
 from asyncrl.config import Config
-from asyncrl.data.split import (DatasetError, Row, deterministic_split, ensure_ids, fill_prompt,
-                                make_row, require_placeholder)
+from asyncrl.data.split import (DatasetError, Row, SplitRows, ensure_ids, fill_prompt, make_row,
+                                require_placeholder, split_rows)
 
 MARKER = "####"
 COMMA_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
@@ -44,8 +44,13 @@ class GSM8KConfig(LocalFileSource):
     # the user message; {question} is replaced by the row's question
     prompt_template: str = "{question}\nPut the final answer after ####."
 
-    def build(self) -> GSM8KDataset:
-        return GSM8KDataset(self)
+    def build(self) -> SplitRows:
+        """Train/eval rows of the file (plus an optional separate eval file)."""
+        def read(path: str) -> list[Row]:
+            return read_gsm8k_jsonl(path, self.prompt_template)
+
+        return split_rows(read(self.path), self.eval_path and (lambda: read(self.eval_path)),
+                          self.eval_fraction, self.seed)
 
 
 def normalise_answer(text: str) -> str:
@@ -113,22 +118,3 @@ def read_gsm8k_jsonl(path: str, template: str) -> list[Row]:
     if not rows:
         raise DatasetError(f"{path}: no rows")
     return ensure_ids(rows, "gsm8k")
-
-
-class GSM8KDataset:
-    """Train/eval rows of a GSM8K-format file (plus an optional separate eval file)."""
-
-    def __init__(self, cfg: GSM8KConfig):
-        self.cfg = cfg
-        rows = read_gsm8k_jsonl(cfg.path, cfg.prompt_template)
-        if cfg.eval_path is None:
-            self._train, self._eval = deterministic_split(rows, cfg.eval_fraction, cfg.seed)
-        else:
-            self._train = rows
-            self._eval = read_gsm8k_jsonl(cfg.eval_path, cfg.prompt_template)
-
-    def train_rows(self) -> list[Row]:
-        return list(self._train)
-
-    def eval_rows(self) -> list[Row]:
-        return list(self._eval)

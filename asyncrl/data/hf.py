@@ -21,7 +21,7 @@ import pydantic
 
 from asyncrl.data.files import quiet_datasets
 from asyncrl.data.records import RecordFields, records_to_rows
-from asyncrl.data.split import DatasetError, Row, deterministic_split
+from asyncrl.data.split import DatasetError, Row, SplitRows, split_rows
 
 # file suffix -> `datasets` packaged builder, for a `name` that is a single local file
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -48,8 +48,17 @@ class HFDatasetConfig(RecordFields):
                              f"and name={self.name!r} is a local path")
         return self
 
-    def build(self) -> HFDataset:
-        return HFDataset(self)
+    def build(self) -> SplitRows:
+        """Train/eval rows of a `datasets.load_dataset` source (one split, or two)."""
+        splits = load_splits(self)
+
+        def rows(name: str, field: str) -> list[Row]:
+            records = pick_split(splits, name, self, field)
+            return records_to_rows(records, self, f"{self.name}[{name}]")
+
+        return split_rows(rows(self.split, "split"),
+                          self.eval_split and (lambda: rows(self.eval_split, "eval_split")),
+                          self.eval_fraction, self.seed)
 
 
 def _load(source: str, cfg: HFDatasetConfig, local: bool) -> Any:
@@ -138,27 +147,3 @@ def pick_split(splits: dict[str, list[dict[str, Any]]], name: str, cfg: HFDatase
     if not splits[name]:
         raise DatasetError(f"data.name={cfg.name}: {field}={name!r} has no rows")
     return splits[name]
-
-
-class HFDataset:
-    """Train/eval rows of a `datasets.load_dataset` source (one split, or two)."""
-
-    def __init__(self, cfg: HFDatasetConfig):
-        self.cfg = cfg
-        splits = load_splits(cfg)
-        rows = self._rows(splits, cfg.split, "split")
-        if cfg.eval_split is None:
-            self._train, self._eval = deterministic_split(rows, cfg.eval_fraction, cfg.seed)
-        else:
-            self._train = rows
-            self._eval = self._rows(splits, cfg.eval_split, "eval_split")
-
-    def _rows(self, splits: dict[str, list[dict[str, Any]]], name: str, field: str) -> list[Row]:
-        records = pick_split(splits, name, self.cfg, field)
-        return records_to_rows(records, self.cfg, f"{self.cfg.name}[{name}]")
-
-    def train_rows(self) -> list[Row]:
-        return list(self._train)
-
-    def eval_rows(self) -> list[Row]:
-        return list(self._eval)

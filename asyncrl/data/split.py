@@ -12,7 +12,8 @@ row between train and eval.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.errors import UserError
@@ -94,3 +95,26 @@ def deterministic_split(rows: Iterable[Row], eval_fraction: float,
     for row in ensure_ids(rows):
         (held_out if split_score(seed, str(row["id"])) < eval_fraction else train).append(row)
     return train, held_out
+
+
+@dataclass(frozen=True)
+class SplitRows:
+    """A dataset's rows (a TaskDataset): the training rows and the held-out ones."""
+
+    train: list[Row]
+    held_out: list[Row]
+
+    def train_rows(self) -> list[Row]:
+        return list(self.train)
+
+    def eval_rows(self) -> list[Row]:
+        return list(self.held_out)
+
+
+def split_rows(rows: list[Row], eval_rows: Callable[[], list[Row]] | None, eval_fraction: float,
+               seed: int) -> SplitRows:
+    """`rows` for training and `eval_rows()` held out, or, without a separate eval source, the
+    deterministic split of `rows`."""
+    if eval_rows is None:
+        return SplitRows(*deterministic_split(rows, eval_fraction, seed))
+    return SplitRows(rows, eval_rows())

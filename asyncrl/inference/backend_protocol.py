@@ -4,17 +4,22 @@ A `Backend` only translates: one generation segment -> one HTTP call, the reply 
 (tokens, logprobs, per-token versions, stop reason), a streamed event -> a `Delta`; plus the
 calls of its health, pause, resume, abort and weight-update routes, and the startup checks
 (`ServerCheck`) a server must pass. Adapters: backends.py (asyncrl, and the registry),
-vllm_backend.py, sglang_backend.py.
+vllm_backend.py, sglang_backend.py. A backend's plugin config (`BackendPlugin`) also writes the
+command that starts one of its servers (`ServerCommand`) from what the job asks of it
+(`ServerLaunch`); vLLM and SGLang need a port chosen up front and are ready when `/health`
+answers 200, `asyncrl serve --port 0` picks its own and prints it after `READY_PREFIX`.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.inference.config import EngineSettings
 
 
 class BackendReplyError(RuntimeError):
@@ -142,9 +147,6 @@ class Backend(Protocol):
     name: str
     supports_tensor_push: bool  # /update_weights/tensors buckets (weight_buckets.py)
     supports_stream: bool  # generate_call(stream=True) answers server-sent events
-    # The served model must hold lm_head.weight of its own (see VLLMBackend): disk updates then
-    # write it even when the trainer's model ties it to the embeddings.
-    needs_untied_head: bool
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
                       stream: bool = False) -> HttpCall: ...
@@ -203,6 +205,54 @@ class Backend(Protocol):
     def parse_ranks(self, body: Any) -> int: ...
 
 
+READY_PREFIX = "asyncrl serve: listening on "  # `asyncrl serve --port 0` prints it, then the URL
+
+
+@dataclass
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0  # 0: the server picks one and announces it on stdout (asyncrl)
+    health_path: str = "/health"
+    host: str = "127.0.0.1"  # where it listens (a node's address when others must reach it)
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    """What the job asks of every server it starts."""
+
+    python: str  # the interpreter that has the server installed (vLLM brings its own torch)
+    # max_num_seqs, dtype, threads, trust_remote_code
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    api_key: str | None = None
+    extra_args: tuple[str, ...] = ()  # inference.server_args
+    weight_transfer: bool = False  # weights will come by NCCL broadcast
+    host: str = "127.0.0.1"
+    lora: LoraServing | None = None  # weights will come as LoRA adapters
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def concrete_dtype(dtype: str) -> str:
+    """`EngineSettings.dtype` for a server that knows no "auto" of ours (vLLM and SGLang
+    `--dtype`): float32 on a CPU machine, bfloat16 on CUDA."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cuda_available() else "float32"
+
+
 class BackendPlugin(Protocol):
     """What a backend's plugin config (`inference.backend`) declares and makes."""
 
@@ -218,8 +268,8 @@ class BackendPlugin(Protocol):
     def check_lora(self, lora: LoraServing) -> None:
         """ValueError naming the limit when its servers cannot take these adapters."""
 
-    def server_command(self, model_dir: str, launch: Any) -> Any:
-        """The `ServerCommand` that starts one server (inference/server_command.py)."""
+    def server_command(self, model_dir: str, launch: ServerLaunch) -> ServerCommand:
+        """The command that starts one of its servers, as `launch` asks."""
 
 
 def reply_field(body: Any, *keys: str | int) -> Any:

@@ -37,11 +37,12 @@ from asyncrl.inference.backend_protocol import (
     LoraServing,
     Segment,
     ServerCheck,
+    ServerCommand,
+    ServerLaunch,
     WireTensor,
     join_body,
     reply_field,
 )
-from asyncrl.inference.server_command import ServerCommand, ServerLaunch
 from asyncrl.inference.sglang_backend import SGLangBackendConfig
 from asyncrl.inference.vllm_backend import VLLMBackendConfig
 from asyncrl.plugins import Registry
@@ -53,7 +54,6 @@ class AsyncrlBackend:
     name = "asyncrl"
     supports_tensor_push = True
     supports_stream = True
-    needs_untied_head = False
     broadcast_layout = "buckets"  # the receiver reads the spec and bucket plan from the store
 
     def __init__(self, model: str | None = None) -> None:

@@ -30,7 +30,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any
 
 import httpx
 
@@ -195,12 +195,6 @@ class RemoteInferenceEngine:
         if client is not None:
             await client.aclose()
         self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # ---- one generation call ----------------------------------------------------------------
 

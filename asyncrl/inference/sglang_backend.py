@@ -7,21 +7,23 @@ from typing import Any, ClassVar, Literal
 from asyncrl.api import GenerationConfig, StopReason
 from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
-    LoraServing,
     NEUTRAL_SAMPLING,
     BackendReplyError,
     GroupJoin,
     HttpCall,
+    LoraServing,
     Segment,
     ServerCheck,
+    ServerCommand,
+    ServerLaunch,
     WireTensor,
+    concrete_dtype,
+    free_port,
     is_int,
     join_body,
     reply_field,
     version_verdict,
 )
-from asyncrl.inference.server_command import (ServerCommand, ServerLaunch, concrete_dtype,
-                                              free_port)
 
 _SGLANG_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
 
@@ -78,7 +80,6 @@ class SGLangBackend:
     broadcast_layout = "per_tensor"
     supports_tensor_push = False
     supports_stream = False
-    needs_untied_head = False
     tested = ((0, 5, 23), (0, 6))
 
     def __init__(self, model: str | None = None) -> None:

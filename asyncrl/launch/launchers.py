@@ -24,7 +24,7 @@ from asyncrl.config import Config
 from asyncrl.plugins import Registry
 
 if TYPE_CHECKING:
-    from asyncrl.inference.server_command import ServerCommand
+    from asyncrl.inference.backend_protocol import ServerCommand
     from asyncrl.launch.train import TrainJob, TrainResult
 
 # make(api_key, host) -> the ServerCommand of one server (called once per server)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from asyncrl.inference.server_command import READY_PREFIX, ServerCommand
+from asyncrl.inference.backend_protocol import READY_PREFIX, ServerCommand
 
 PR_SET_PDEATHSIG = 1
 
@@ -120,10 +120,8 @@ class LocalServers:
             _signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
             _signal_group(p, signal.SIGKILL)  # children left behind, or a server that hangs
             p.wait()
             if p.stdout is not None:

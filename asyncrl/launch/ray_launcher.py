@@ -18,6 +18,7 @@ Ctrl-C too, so nothing keeps holding the cluster's resources.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -192,10 +193,8 @@ class _TrainerGroup:
         from ray.util.placement_group import remove_placement_group
 
         for a in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 self.ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
         if self.pg is not None:
             remove_placement_group(self.pg)
 

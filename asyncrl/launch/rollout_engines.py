@@ -40,9 +40,9 @@ from urllib.parse import urlsplit
 import torch
 
 from asyncrl.api import PolicyVersion, ServingEngine, WeightUpdateKind, WeightUpdateMeta
-from asyncrl.inference.backend_protocol import BackendPlugin, LoraServing
+from asyncrl.inference.backend_protocol import (BackendPlugin, LoraServing, ServerCommand,
+                                              ServerLaunch)
 from asyncrl.inference.config import RemoteEngineConfig
-from asyncrl.inference.server_command import ServerCommand, ServerLaunch
 from asyncrl.launch.launchers import Launcher
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck

@@ -145,12 +145,6 @@ def step_dirs(checkpoints: Path) -> list[Path]:
     return [d for _, d in sorted(steps)]
 
 
-def read_latest(checkpoints: Path) -> str | None:
-    """The name the `latest` file holds ("" when empty), or None when there is no such file."""
-    marker = checkpoints / LATEST
-    return marker.read_text().strip() if marker.is_file() else None
-
-
 def _prune(checkpoints: Path, keep: int) -> None:
     if keep <= 0:
         return
@@ -162,36 +156,23 @@ def latest_checkpoint(run_dir: Path) -> Path:
     """The checkpoint `--resume` continues from: the one `latest` names, else the newest complete
     one (a resume should go on from what is there rather than stop at a stale `latest`)."""
     checkpoints = run_dir / CHECKPOINTS
-    name = read_latest(checkpoints)
+    marker = checkpoints / LATEST
+    name = marker.read_text().strip() if marker.is_file() else ""
     named = [checkpoints / name] if name else []
     for path in [*named, *reversed(step_dirs(checkpoints))]:
         if (path / SUMMARY).is_file():
             return path
-    raise UserError(f"--resume {run_dir}: no checkpoint found under {checkpoints} "
-                    "(expected step_NNNNNN/ directories written by asyncrl train)")
+    raise UserError(f"no checkpoint found under {checkpoints} (expected step_NNNNNN/ "
+                    f"directories with {SUMMARY}, as asyncrl train writes them)")
 
 
 def _is_model_dir(p: Path) -> bool:
     return (p / "config.json").is_file()
 
 
-def latest_step_dir(checkpoints: Path) -> Path | None:
-    """The step directory `latest` names, else the highest step_NNNNNN; None when there is none.
-    A `latest` naming no directory is a UserError: the user pointed at it and should know."""
-    name = read_latest(checkpoints)
-    if name is None:
-        steps = step_dirs(checkpoints)
-        return steps[-1] if steps else None
-    target = checkpoints / name  # an absolute path in the file stays absolute
-    if not name or not target.is_dir():
-        raise UserError(f"{checkpoints / LATEST} names {name!r}, which is not a directory under "
-                        f"{checkpoints}")
-    return target
-
-
 def find_policy_dir(path: str | Path) -> Path:
     """The HF model directory inside `path`: `path` itself (config.json), a training checkpoint's
-    `policy/`, or a run directory's latest `checkpoints/step_NNNNNN/policy/`."""
+    `policy/`, or the `policy/` of the checkpoint a resume of run directory `path` would take."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"checkpoint {p} not found; expected a HF model dir, a checkpoint dir "
@@ -200,14 +181,12 @@ def find_policy_dir(path: str | Path) -> Path:
         return p
     if _is_model_dir(p / POLICY):
         return p / POLICY
-    checkpoints = p / CHECKPOINTS
-    if checkpoints.is_dir():
-        step = latest_step_dir(checkpoints)
-        if step is not None:
-            if _is_model_dir(step / POLICY):
-                return step / POLICY
-            raise UserError(f"checkpoint {step} has no policy/config.json; expected the HF "
-                            "model directory the train loop writes there")
+    if (p / CHECKPOINTS).is_dir():
+        step = latest_checkpoint(p)
+        if _is_model_dir(step / POLICY):
+            return step / POLICY
+        raise UserError(f"checkpoint {step} has no policy/config.json; expected the HF "
+                        "model directory the train loop writes there")
     raise UserError(f"{p} is not a model or checkpoint: looked for {p}/config.json (HF model "
                     f"dir), {p}/policy/config.json (checkpoint) and {p}/checkpoints/"
                     "step_NNNNNN/policy/config.json (run dir)")

@@ -15,7 +15,7 @@ import uvicorn
 from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.inference.server import ServerConfig, create_app
-from asyncrl.inference.server_command import READY_PREFIX
+from asyncrl.inference.backend_protocol import READY_PREFIX
 from asyncrl.models.loading import check_model_dir, load_tokenizer, resolve_model_path
 
 

@@ -33,9 +33,9 @@ from asyncrl.api import Closable, PolicyLoss, ReportsMetrics, RolloutWorkflow, S
 from asyncrl.config import parse_override, set_dotted
 from asyncrl.errors import UserError
 from asyncrl.inference.backend_protocol import LoraServing
+from asyncrl.inference.config import EngineSettings
+from asyncrl.inference.engine import resolve_device
 from asyncrl.launch.data_stream import DataStream
-from asyncrl.launch.devices import check_engine_placement
-from asyncrl.launch.devices import resolve as resolve_device
 from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
@@ -46,15 +46,17 @@ from asyncrl.launch.run_logger import RunLogger
 from asyncrl.launch.train_config import CONFIG_FILE, TrainRunConfig
 from asyncrl.launch.train_loop import (LoopParts, RunContext, StopRequest, TrainLoop,
                                        TrainResult, bounded)
-from asyncrl.launch.trainer_group import (TrainerGroup, broadcast, is_distributed,
-                                          leave_process_group, load_critic, load_engine, rank)
+from asyncrl.launch.trainer_group import TrainerGroup, parallelism
 from asyncrl.launch.weight_check import LogprobCheck
 from asyncrl.launch.workflows import (AgentWorkflowConfig, WorkflowContext, evaluator_for,
                                       workflow_from_object)
 from asyncrl.models.loading import load_tokenizer, resolve_model_dir
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.train.config import lora_enabled
+from asyncrl.train.critic import load_critic
+from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.heads import LogprobHead
+from asyncrl.train.parallel import Parallelism
 from asyncrl.train.ppo_actor import PPOActor
 
 
@@ -117,13 +119,10 @@ def run_rank(job: TrainJob) -> TrainResult:
     """The job on this process: every torchrun (or Ray) rank calls it; rank 0 leads."""
     cfg = job.cfg
     # a GPU trainer with a CPU in-process engine is refused before anything loads
-    check_engine_placement(resolve_device(cfg.train.device), cfg.inference.mode,
+    check_engine_placement(resolve_device(cfg.train.device or "auto"), cfg.inference.mode,
                            cfg.inference.engine)
-    if is_distributed():
-        from asyncrl.train.fsdp import init_distributed
-
-        init_distributed()
-    leader = rank() == 0
+    parallel = parallelism()  # joins the process group under torchrun
+    leader = parallel.rank == 0
     console = Console(stderr=True, quiet=not leader)
     if leader:
         job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,9 +131,10 @@ def run_rank(job: TrainJob) -> TrainResult:
     try:
         with trainer_threads(cfg):
             base = resolve_base_model(cfg, console)  # every rank takes part in a warm start
-            ckpt = broadcast(latest_checkpoint(job.run_dir) if job.resume and leader else None)
+            ckpt = parallel.broadcast_object(latest_checkpoint(job.run_dir)
+                                             if job.resume and leader else None)
             tokenizer = load_tokenizer(base, cfg.model.trust_remote_code)
-            group = build_trainer(cfg, base, tokenizer, job.loss)
+            group = build_trainer(cfg, base, job.loss, parallel)
             if not leader:
                 group.follow(checkpointer(job, group, tokenizer))
                 return TrainResult(job.run_dir)
@@ -143,7 +143,23 @@ def run_rank(job: TrainJob) -> TrainResult:
             finally:
                 group.stop()
     finally:
-        leave_process_group()
+        parallel.close()
+
+
+def check_engine_placement(trainer: torch.device, mode: str, engine: EngineSettings) -> None:
+    """ValueError when the trainer is on CUDA and the in-process engine would run on the CPU (a
+    trainer on the GPU would wait on rollouts generated orders of magnitude slower, which looks
+    like a hang); servers (mode "local" / "remote") choose their own devices."""
+    if mode == "inprocess" and trainer.type == "cuda" and \
+            resolve_device(engine.device).type == "cpu":
+        raise ValueError(
+            f"inference.engine.device={engine.device!r} puts the in-process engine on the CPU "
+            f"while the trainer runs on {trainer}: every rollout would be generated on the CPU. "
+            "Set inference.engine.device='auto' or 'cuda' to share the trainer's GPU (its share "
+            f"is inference.engine.gpu_memory_fraction={engine.gpu_memory_fraction}), or run the "
+            "engines as servers: inference.mode='local' (the job starts them) or 'remote' "
+            "(inference.remote.addresses)"
+        )
 
 
 def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
@@ -177,26 +193,27 @@ def trainer_threads(cfg: TrainRunConfig) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def build_trainer(cfg: TrainRunConfig, base: Path, tokenizer: Any,
-                  loss: PolicyLoss | None) -> TrainerGroup:
+def build_trainer(cfg: TrainRunConfig, base: Path, loss: PolicyLoss | None,
+                  parallel: Parallelism) -> TrainerGroup:
     """The policy (from the base model; a resume loads its state later), the reference when
     the KL term is on, the critic for GAE, and the actor driving them."""
     steps = cfg.total_steps * cfg.actor.ppo_n_minibatches  # the LR schedule's optimizer steps
-    trust = cfg.model.trust_remote_code
+    trust, dtype = cfg.model.trust_remote_code, cfg.model.dtype
     head = LogprobHead(cfg.gconfig.temperature)  # the sampler's
-    policy = load_engine(base, cfg.train, cfg.model.dtype, trust, total_steps=steps, head=head,
-                         lora=cfg.train.lora)
+    policy = HFTrainEngine.from_pretrained(base, cfg.train, dtype, trust, total_steps=steps,
+                                           head=head, lora=cfg.train.lora, parallel=parallel)
     ref = None
     if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
-        ref = load_engine(base, cfg.train, cfg.model.dtype, trust, head=head, trainable=False)
+        ref = HFTrainEngine.from_pretrained(base, cfg.train, dtype, trust, head=head,
+                                            trainable=False, parallel=parallel)
     critic = None
     if cfg.actor.advantage.estimator == "gae":  # a fresh value head on the base model's body
-        critic = load_critic(base, cfg.critic, cfg.model.dtype, steps, trust)
+        critic = load_critic(base, cfg.critic, dtype, steps, parallel, trust)
     if loss is not None and not isinstance(loss, PolicyLoss):
         raise UserError(f"loss {loss!r} is not a PolicyLoss: a callable loss(logprobs, inputs, "
                         "normalizer) -> (loss, stats) with `normalize_by` and `needs_entropy`")
     actor = PPOActor(policy, cfg.actor, ref, loss, critic, cfg.critic.value_eps_clip)
-    return TrainerGroup(policy, actor, tokenizer)
+    return TrainerGroup(policy, actor)
 
 
 def checkpointer(job: TrainJob, group: TrainerGroup, tokenizer: Any,

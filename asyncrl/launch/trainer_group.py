@@ -20,82 +20,26 @@ from asyncrl.launch.run_checkpoints import RunCheckpointer
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.parallel import Parallelism, SingleProcess
 from asyncrl.train.ppo_actor import PPOActor
-from asyncrl.train.config import CriticConfig, TrainEngineConfig
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def is_distributed() -> bool:
-    return world_size() > 1
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def parallelism() -> Parallelism:
-    """FSDP2 over the torchrun ranks, or one process."""
-    if not is_distributed():
+    """FSDP2 over the ranks torchrun (or a Ray launcher) started, or one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return SingleProcess()
     from asyncrl.train.fsdp import FSDP2
 
     return FSDP2()
 
 
-def load_engine(path: Path, cfg: TrainEngineConfig, dtype: str, trust_remote_code: bool = False,
-                **kwargs: Any) -> HFTrainEngine:
-    """HFTrainEngine on one process, sharded by FSDP2 under torchrun."""
-    from asyncrl.models.loading import load_causal_lm
-
-    return HFTrainEngine(load_causal_lm(path, dtype, trust_remote_code), cfg,
-                         parallel=parallelism(), **kwargs)
-
-
-def load_critic(path: Path, cfg: CriticConfig, dtype: str, total_steps: int,
-                trust_remote_code: bool = False) -> HFTrainEngine:
-    """A value head on the policy's body, sharded like the policy under torchrun."""
-    from asyncrl.models.loading import load_causal_lm
-    from asyncrl.train.critic import critic_engine
-
-    return critic_engine(load_causal_lm(path, dtype, trust_remote_code), cfg, total_steps,
-                         parallelism())
-
-
-def leave_process_group() -> None:
-    """Tear the process group down before exit (every rank): gloo's threads left running at
-    interpreter exit abort the process ("terminate called without an active exception")."""
-    if not is_distributed():
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def broadcast(obj: Any) -> Any:
-    """rank 0's `obj` on every rank (a no-op on one process)."""
-    if not is_distributed():
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class TrainerGroup:
-    def __init__(self, trainer: HFTrainEngine, actor: PPOActor, tokenizer: Any) -> None:
+    def __init__(self, trainer: HFTrainEngine, actor: PPOActor) -> None:
         """`actor` drives `trainer` (and the reference and critic it was given); every rank
         must be given the same parts."""
-        self.trainer, self.actor, self.tokenizer = trainer, actor, tokenizer
-        self.distributed = is_distributed()
+        self.trainer, self.actor, self.parallel = trainer, actor, trainer.parallel
 
     def _command(self, name: str, payload: Any = None) -> None:
-        if self.distributed:
-            broadcast((name, payload))
+        if self.parallel.world_size > 1:
+            self.parallel.broadcast_object((name, payload))
 
     # ---- rank 0 ---------------------------------------------------------------------------------
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
@@ -131,7 +75,7 @@ class TrainerGroup:
     def follow(self, checkpointer: RunCheckpointer) -> None:
         """Mirror rank 0's collective operations until it sends stop."""
         while True:
-            name, payload = broadcast(None)
+            name, payload = self.parallel.broadcast_object(None)
             if name == "train":
                 self.actor.train_step(payload)
             elif name == "score":

@@ -103,15 +103,6 @@ def preset_hf_config(name: str, dtype: str | None = None):
     )
 
 
-def count_preset_parameters(name: str) -> int:
-    """Parameters of a Qwen2.5 preset, counted on the meta device (nothing is allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(preset_hf_config(name))
-    return sum(p.numel() for p in model.parameters())
-
-
 def build_preset_in_memory(name: str, dtype: str | None = None, seed: int = 0):
     """(model, tokenizer) of a Qwen2.5 preset; the same name, dtype and seed give the same weights.
 

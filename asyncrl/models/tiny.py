@@ -89,8 +89,3 @@ def build_tiny_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     """Build the tiny model + char tokenizer and save them as a HF directory at `out_dir`."""
     model, tokenizer = build_tiny_model_in_memory(cfg)
     return save_model_dir(model, tokenizer, out_dir)
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (tied input/output embeddings count once)."""
-    return sum(p.numel() for p in model.parameters())

@@ -27,7 +27,6 @@ PAD_ID, ENDOFTEXT_ID, IM_START_ID, IM_END_ID, UNK_ID = range(len(SPECIAL_TOKENS)
 
 # "\n" plus printable ASCII: enough for chat text, arithmetic, code and JSON tool calls.
 CHARACTERS = ("\n", *(chr(c) for c in range(32, 127)))
-ROLES = ("system", "user", "assistant", "tool")
 
 # Qwen-style ChatML. Whitespace control (`{{-`, `{%-`) keeps every byte of the output explicit in
 # the string literals, so the rendered prompt is exactly what the tests spell out. Content may be

@@ -63,8 +63,11 @@ class BuiltinRewardConfig(Config):
     def build(self, ctx: RewardContext) -> Iterator[RewardFn]:
         from asyncrl.reward.call import answer_reward
 
-        if self.kind == "math":
-            yield from _math_reward()
+        if self.kind == "math":  # it needs a main thread (SIGALRM) and may hang on odd input
+            from asyncrl.reward.math_verify import math_answer_reward
+
+            yield from _pooled(math_answer_reward, lambda text, row: (text, str(row["answer"])),
+                               "math", preload=["asyncrl.reward.math_verify"])
             return
         from asyncrl.reward.exact import digit_match_reward, exact_answer_reward
 
@@ -97,21 +100,13 @@ class FunctionRewardConfig(Config):
         if is_async(fn):
             yield fn  # awaited on the loop; its own awaits are what keep the loop free
         elif self.executor == "thread":
-            threaded = ThreadedReward(fn, self.max_workers)
-            try:
+            with contextlib.closing(ThreadedReward(fn, self.max_workers)) as threaded:
                 yield threaded
-            finally:
-                threaded.close()
         else:
-            from asyncrl.reward.pool import RewardPool, RewardPoolConfig
-            from asyncrl.reward.pooled import PooledReward
-
             module = self.path.partition(":")[0] if ":" in self.path \
                 else self.path.rpartition(".")[0]
-            pool_cfg = RewardPoolConfig(num_workers=self.max_workers, preload=[module],
-                                        timeout_seconds=self.timeout_seconds)
-            with RewardPool(pool_cfg) as pool:
-                yield PooledReward(pool, fn, lambda text, row: (text, row), self.path)
+            yield from _pooled(fn, lambda text, row: (text, row), self.path, preload=[module],
+                               num_workers=self.max_workers, timeout_seconds=self.timeout_seconds)
 
 
 class TRLRewardConfig(Config):
@@ -136,11 +131,8 @@ class TRLRewardConfig(Config):
         from asyncrl.reward.trl_adapter import TRLReward
 
         functions = [import_object(path, "TRL reward") for path in self.functions]
-        reward = TRLReward(functions, self.weights, self.max_workers)
-        try:
+        with contextlib.closing(TRLReward(functions, self.weights, self.max_workers)) as reward:
             yield reward
-        finally:
-            reward.close()
 
 
 class CodeRewardConfig(Config):
@@ -163,27 +155,21 @@ class CodeRewardConfig(Config):
         """The completion's program against the row's tests, in sandboxes in worker processes
         (each blocks for up to limits.wall_seconds per test)."""
         from asyncrl.reward.code import code_reward_with_note, row_tests
-        from asyncrl.reward.pool import RewardPool, RewardPoolConfig
-        from asyncrl.reward.pooled import PooledReward
 
-        pool_cfg = RewardPoolConfig(num_workers=self.num_workers,
-                                    timeout_seconds=self.timeout_seconds,
-                                    preload=["asyncrl.reward.code"])
-        with RewardPool(pool_cfg) as pool:
-            yield PooledReward(pool, code_reward_with_note, lambda text, row: (
-                text, row_tests(row, self.tests_field), self.limits), "code")
+        yield from _pooled(code_reward_with_note, lambda text, row: (
+            text, row_tests(row, self.tests_field), self.limits), "code",
+            preload=["asyncrl.reward.code"], num_workers=self.num_workers,
+            timeout_seconds=self.timeout_seconds)
 
 
-def _math_reward() -> Iterator[RewardFn]:
-    """math-verify in a RewardPool: it needs a main thread (SIGALRM) and may hang on odd input."""
-    from asyncrl.reward.math_verify import math_answer_reward
+def _pooled(fn: Callable[..., Any], args: Callable[[str, Any], tuple], name: str,
+            **pool: Any) -> Iterator[RewardFn]:
+    """`fn(*args(text, row))` in the worker processes of a RewardPool(RewardPoolConfig(**pool))."""
     from asyncrl.reward.pool import RewardPool, RewardPoolConfig
+    from asyncrl.reward.pooled import PooledReward
 
-    with RewardPool(RewardPoolConfig(preload=["asyncrl.reward.math_verify"])) as pool:
-        async def reward(completion: str, row: dict[str, Any]) -> float:
-            return (await pool.score(math_answer_reward, completion, str(row["answer"]))).score
-
-        yield reward
+    with RewardPool(RewardPoolConfig(**pool)) as rewards:
+        yield PooledReward(rewards, fn, args, name)
 
 
 def _shorthand(spec: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import ctypes
 import enum
 import functools
@@ -320,19 +321,11 @@ class RewardPool:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> RewardPool:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
-
 
 def _kill_group(worker: _Worker) -> None:
     # Signals only, no reaping: safe from any thread, and a no-op on a worker already gone.
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(worker.process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _worker_main(conn: Any, preload: list[str], die_with_parent: bool) -> None:

@@ -5,7 +5,9 @@ For rewards that need a process's main thread, may hang, or run untrusted code: 
 A call that raises or crashes its worker raises `RewardError` with the worker's traceback (a bug
 or a bad row is not a wrong answer); one over the pool's timeout scores 0.0, and the pool logs
 and counts it. `outcomes` counts how calls ended: the pool's status, or the check's own note
-("timeout", "wrong output", ...) when it returns (score, note) as the code reward does.
+("timeout", "wrong output", ...) when it returns (score, note) as the code reward does; with
+the pool's worker restarts and mean latency they are its `metrics()`, which a training run logs
+after every step (`reward/<name>/<outcome>`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ ArgsOf = Callable[[str, dict[str, Any]], tuple]
 class PooledReward:
     def __init__(self, pool: RewardPool, check: Callable[..., Any], args_of: ArgsOf,
                  name: str) -> None:
+        """`name`: the reward's (code, math, a function's path), in messages and metrics."""
         self.pool, self.check, self.args_of = pool, check, args_of
         self.__qualname__ = name
         self.outcomes: collections.Counter[str] = collections.Counter()
+
+    def metrics(self) -> dict[str, float]:
+        stats = self.pool.stats()
+        out = {f"reward/{self.__qualname__}/{k}": float(v) for k, v in self.outcomes.items()}
+        out[f"reward/{self.__qualname__}/worker_restarts"] = float(stats.worker_restarts)
+        out[f"reward/{self.__qualname__}/latency_s"] = stats.mean_latency_seconds
+        return out
 
     async def __call__(self, completion: str, row: dict[str, Any]) -> float:
         args = self.args_of(completion, row)

@@ -2,7 +2,7 @@
 
 `ValueModel` keeps the transformer body of a HF causal LM (`lm.model`, Llama/Qwen2 layout) and
 replaces the vocabulary head with a linear map hidden -> 1. The critic is an `HFTrainEngine` on
-that model with a `heads.ValueHead` (`critic_engine`): the same packing, micro-batching, global
+that model with a `heads.ValueHead` (`load_critic`): the same packing, micro-batching, global
 loss-token normaliser, autocast, checkpointing and sharding as the policy, because the only thing
 that differs is the per-token output of one packed micro-batch: a value instead of a logprob.
 
@@ -16,6 +16,7 @@ nothing leaks across a packing boundary.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,8 +89,12 @@ def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:
     return loss_fn
 
 
-def critic_engine(lm: torch.nn.Module, cfg: CriticConfig, total_steps: int,
-                  parallel: Parallelism | None = None) -> HFTrainEngine:
-    """A fresh value head on `lm`'s body, trained by an engine like the policy's."""
-    return HFTrainEngine(ValueModel(lm), cfg, total_steps=total_steps, head=ValueHead(),
-                         parallel=parallel)
+def load_critic(path: str | Path, cfg: CriticConfig, dtype: str, total_steps: int,
+                parallel: Parallelism | None = None, trust_remote_code: bool = False
+                ) -> HFTrainEngine:
+    """A fresh value head on the body of `path`'s causal LM, trained by an engine like the
+    policy's (spread over the ranks as `parallel` says)."""
+    from asyncrl.models.loading import load_causal_lm
+
+    return HFTrainEngine(ValueModel(load_causal_lm(path, dtype, trust_remote_code)), cfg,
+                         total_steps=total_steps, head=ValueHead(), parallel=parallel)

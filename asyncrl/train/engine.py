@@ -19,12 +19,15 @@ LR schedule, the step, the policy version and every rank's RNG states.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import pickle
+import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
@@ -50,9 +53,39 @@ from asyncrl.train.packing import (
     unpack,
 )
 from asyncrl.train.parallel import Parallelism, SingleProcess
-from asyncrl.train.rng import derived_seed, reseed, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
+
+
+# Every RNG a training process draws from, as one saveable state: a checkpoint keeps each
+# rank's; a rank it has none for (a resume on more ranks) is re-seeded from a hash of rank 0's
+# saved state and its rank, so the same resume always re-seeds it the same way.
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def derived_seed(rank0_state: dict[str, Any], rank: int) -> int:
+    """The seed of a rank the checkpoint has no RNG state for."""
+    data = rank0_state["torch"].numpy().tobytes() + rank.to_bytes(8, "little")
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+def reseed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # every CUDA device too
 
 # loss_fn(per-token outputs [N] with grad, the packed micro-batch, normalizer) -> (loss, stats);
 # the PPO actor adapts a `PolicyLoss` to it (ppo_actor.py), SFT and the critic use it directly
@@ -120,10 +153,6 @@ class HFTrainEngine:
         from asyncrl.models.loading import load_causal_lm
 
         return cls(load_causal_lm(path, dtype, trust_remote_code), cfg, **kwargs)
-
-    @property
-    def rank(self) -> int:
-        return self.parallel.rank
 
     # --- weights ------------------------------------------------------------------------------
     def model_state_dict(self) -> dict[str, torch.Tensor]:
@@ -261,9 +290,7 @@ class HFTrainEngine:
         return pack_samples([dummy], [0])
 
     @torch.no_grad()
-    def forward(
-        self, samples: Sequence[Sample], token_data: TokenData | None = None
-    ) -> list[torch.Tensor]:
+    def forward(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per-sample input-aligned outputs (float32, cpu), no gradients: logprobs (index t =
         log p(input_ids[t] | prefix), 0 at t = 0) for proximal and reference policies, or the
         critic's values."""

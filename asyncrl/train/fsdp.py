@@ -135,3 +135,10 @@ class FSDP2:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def close(self) -> None:
+        """Tear the process group down: gloo's threads left running at interpreter exit abort
+        the process ("terminate called without an active exception")."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

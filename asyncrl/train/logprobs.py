@@ -20,10 +20,3 @@ def gather_logprobs(
     logz = torch.logsumexp(logits, dim=-1)
     picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
     return picked - logz
-
-
-def shifted_labels(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
-    """Labels for next-token prediction: position t predicts input_ids[t + 1]; last gets pad."""
-    labels = torch.roll(input_ids, shifts=-1, dims=-1)
-    labels[..., -1] = pad_id
-    return labels

@@ -39,10 +39,6 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
                          f"{type(model).__name__}: {err}") from err
 
 
-def is_lora_model(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def peft_config_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The adapter's PEFT config (what adapter_config.json holds)."""
     return model.peft_config["default"].to_dict()

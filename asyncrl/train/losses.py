@@ -83,7 +83,7 @@ def _behaviour_weight(
                          cfg.behav_imp_weight_floor)
 
 
-def ppo_policy_loss(
+def ppo_actor_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -91,16 +91,20 @@ def ppo_policy_loss(
     loss_mask: torch.Tensor,
     normalizer: float | torch.Tensor,
     cfg: PPOLossConfig,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     seq_id: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Decoupled PPO policy loss (formula in the module docstring).
+    """Decoupled PPO policy loss (formula in the module docstring) - entropy_coef * entropy
+    + kl_coef * KL(pi || ref) (the last when kl_as="loss").
 
     All per-token tensors share one shape, [B, T] or packed [N] (then `seq_id` [N] says which
     sequence each token belongs to, for ratio_level="sequence" and the seq_mean_* modes):
     logprobs under the parameters being trained (with grad), proximal and behaviour logprobs,
-    advantages (all three treated as constants), loss_mask (1 = train). Tokens dropped by a
-    masking correction still count in `normalizer`, so dropping a token shrinks the step
-    instead of reweighting the surviving tokens.
+    advantages (all three treated as constants), loss_mask (1 = train), the entropy of each
+    token's distribution (with grad, `entropy_from_logits`) and the reference's logprobs. Every
+    term is aggregated with the same normaliser; tokens dropped by a masking correction still
+    count in it, so dropping a token shrinks the step instead of reweighting the others.
     """
     mask = loss_mask.bool()
     proximal = proximal_logprobs.detach()
@@ -132,29 +136,6 @@ def ppo_policy_loss(
             "ppo/behav_masked_frac": float(masked_mean(over_cap.float(), mask)) if dropped else 0.0,
             "ppo/tokens": float(mask.sum()),
         }
-    return loss, stats
-
-
-def ppo_actor_loss(
-    logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    normalizer: float | torch.Tensor,
-    cfg: PPOLossConfig,
-    entropy: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    seq_id: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss - entropy_coef * entropy + kl_coef * KL(pi || ref) (the last when kl_as="loss").
-
-    entropy [B, T] per token with grad (`entropy_from_logits`), ref_logprobs [B, T]; both are
-    aggregated like the policy term, with the same normaliser (packed [N]: with `seq_id`).
-    """
-    loss, stats = ppo_policy_loss(
-        logprobs, proximal_logprobs, behaviour_logprobs, advantages, loss_mask, normalizer, cfg,
-        seq_id)
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token `entropy`")
     if entropy is not None:

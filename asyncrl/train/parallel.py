@@ -50,6 +50,9 @@ class Parallelism(Protocol):
 
     def barrier(self) -> None: ...
 
+    def close(self) -> None:
+        """Leave the process group (every rank, before exit)."""
+
 
 class SingleProcess:
     world_size, rank, shares_prefixes = 1, 0, True
@@ -83,4 +86,7 @@ class SingleProcess:
         return obj
 
     def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass

@@ -24,7 +24,7 @@ from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.mismatch import MismatchMonitor
 from asyncrl.train.packing import PackedMicroBatch
-from asyncrl.train.proximal import approx_proximal_logprobs
+from asyncrl.train.proximal import proximal_logprobs
 from asyncrl.train.config import PPOActorConfig
 
 
@@ -86,7 +86,7 @@ class PPOActor:
                              f"rewards); got {cfg.advantage.estimator!r}; use ppo.kl_as='loss'")
         if (cfg.advantage.estimator == "gae") != (critic is not None):
             raise ValueError(f"advantage.estimator={cfg.advantage.estimator!r} "
-                             + ("needs a critic (critic=critic_engine(...))" if critic is None
+                             + ("needs a critic (critic=load_critic(...))" if critic is None
                                 else "takes no critic; only 'gae' uses one"))
         self.engine, self.cfg, self.ref, self.critic = engine, cfg, ref, critic
         self.value_eps_clip = value_eps_clip
@@ -130,14 +130,8 @@ class PPOActor:
     def loss_inputs(self, logprobs: torch.Tensor, mb: PackedMicroBatch) -> LossInputs:
         """The typed per-token inputs of one micro-batch, proximal logprobs resolved."""
         behaviour, t = mb.behaviour_logprobs, mb.tensors
-        source = self.cfg.proximal.proximal_logprobs
-        if source == "recompute":
-            proximal = t["proximal_logprobs"]
-        elif source == "loglinear":
-            proximal = approx_proximal_logprobs(behaviour, logprobs, mb.versions,
-                                                self._batch_version)
-        else:
-            proximal = behaviour
+        proximal = proximal_logprobs(self.cfg.proximal, behaviour, logprobs, mb.versions,
+                                     self._batch_version, t.get("proximal_logprobs"))
         return LossInputs(
             loss_mask=mb.loss_mask & t["adv_loss_mask"].bool(), behaviour_logprobs=behaviour,
             proximal_logprobs=proximal, advantages=t["advantages"], versions=mb.versions,

@@ -79,11 +79,12 @@ def _train(cluster: str, run: Path, *extra: str) -> subprocess.Popen:
            "gconfig.n_samples=4", "gconfig.max_new_tokens=6", "rollout.batch_size=4",
            "rollout.max_concurrent_rollouts=8", "filter_uniform_groups=false", "eval.every=0",
            "logging.tensorboard=false", "inference.engine.max_num_seqs=32", "torch_threads=1",
-           "inference.engine.num_threads=1", "ray.trainer_ranks=2", "ray.cpus_per_rank=0.5",
-           'ray.resources_per_rank={"trainer_node": 1}', "inference.mode=local",
-           "inference.num_servers=2", "ray.cpus_per_server=0.5",
-           'ray.resources_per_server={"rollout_node": 1}', "inference.weight_sync=gloo",
-           "ray.server_poll_s=0.5", *extra]
+           "inference.engine.num_threads=1", "launcher.trainer_ranks=2",
+           "launcher.cpus_per_rank=0.5",
+           'launcher.resources_per_rank={"trainer_node": 1}', "inference.mode=local",
+           "inference.num_servers=2", "launcher.cpus_per_server=0.5",
+           'launcher.resources_per_server={"rollout_node": 1}', "inference.weight_sync=gloo",
+           "launcher.server_poll_s=0.5", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env())
 
@@ -186,7 +187,8 @@ def test_agent_programs_train_through_the_proxy_in_front_of_ray_servers(cluster,
     """An OpenAI-SDK-style agent (tests.agents_for_tests.DigitAgent) talks to the proxy that
     rank 0 runs; the proxy generates on the Ray-placed servers."""
     run = tmp_path / "run"
-    proc = _train(cluster, run, "total_steps=2", "checkpoint_every=0", "ray.trainer_ranks=1",
+    proc = _train(cluster, run, "total_steps=2", "checkpoint_every=0",
+                  "launcher.trainer_ranks=1",
                   "workflow.kind=agent", "workflow.path=tests.agents_for_tests:DigitAgent")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]

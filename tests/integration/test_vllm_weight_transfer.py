@@ -24,7 +24,7 @@ from asyncrl.inference.backend_protocol import GroupJoin, HttpCall, WireTensor
 from asyncrl.inference.vllm_backend import VLLMBackend
 from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.inference.server_command import free_port
+from asyncrl.inference.backend_protocol import free_port
 from train_helpers import make_backend, server_command
 from asyncrl.models.export import untied_copy
 from asyncrl.models.tiny import build_tiny_model
