@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
@@ -137,7 +138,8 @@ def hung_call(make) -> tuple[float, float]:
 
 
 def killed_worker(make, trials: int, after: int, cap: float, seed: int) -> list[float]:
-    """Seconds from SIGKILLing a busy worker until `after` calls have succeeded (cap: gave up)."""
+    """Seconds from SIGKILLing a worker (at a random moment of a stream of calls) until `after`
+    sequential calls have succeeded; `cap` when they had not by then (the pool stalled)."""
     rng = random.Random(seed)
     out: list[float] = []
     for trial in range(trials):
@@ -145,13 +147,14 @@ def killed_worker(make, trials: int, after: int, cap: float, seed: int) -> list[
         stop = threading.Event()
         pids: set[int] = set()
 
-        def traffic() -> None:  # keeps both workers busy taking and answering calls
-            while not stop.is_set():
-                pid = pool.call(worker_pid, 0)
-                if pid is not None:
-                    pids.add(pid)
+        def traffic() -> None:  # one caller per worker, each taking and answering calls
+            with contextlib.suppress(Exception):  # the pool closed under it: the trial is over
+                while not stop.is_set():
+                    pid = pool.call(worker_pid, 0)
+                    if pid is not None:
+                        pids.add(int(pid))  # ours returns scores as floats
 
-        streams = [threading.Thread(target=traffic, daemon=True) for _ in range(2 * WORKERS)]
+        streams = [threading.Thread(target=traffic, daemon=True) for _ in range(WORKERS)]
         for t in streams:
             t.start()
         while len(pids) < WORKERS:
@@ -159,24 +162,22 @@ def killed_worker(make, trials: int, after: int, cap: float, seed: int) -> list[
         time.sleep(rng.uniform(0.05, 0.3))
         os.kill(rng.choice(sorted(pids)), signal.SIGKILL)
         killed = time.monotonic()
+        stop.set()
         done = threading.Event()
 
         def probe() -> None:
-            ok = 0
-            while ok < after:
-                ok += pool.call(trivial, 0) == 1.0
-            done.set()
+            with contextlib.suppress(Exception):
+                ok = 0
+                while ok < after:
+                    ok += pool.call(trivial, 0) == 1.0
+                done.set()
 
         threading.Thread(target=probe, daemon=True).start()
         recovered = done.wait(cap)
         out.append(time.monotonic() - killed if recovered else cap)
-        stop.set()
-        print(f"  {pool.name}: trial {trial + 1}/{trials}: "
-              f"{out[-1]:.2f} s" + ("" if recovered else f" (no recovery within {cap:.0f} s)"),
-              flush=True)
+        print(f"  {pool.name}: trial {trial + 1}/{trials}: {out[-1]:.2f} s"
+              + ("" if recovered else f" (no recovery within {cap:.0f} s)"), flush=True)
         if recovered:
-            for t in streams:
-                t.join(timeout=cap)
             pool.close()
         else:
             pool.abandon()

@@ -1,6 +1,9 @@
 """A process pool for reward functions that may hang, crash or need a main thread.
 
 Why not multiprocessing.Pool or concurrent.futures: neither can kill one hung task and carry on.
+Why not pebble, which can: a worker killed from outside while it holds pebble's shared task-queue
+lock stalls the whole pool (pebble issue #163): 2 of 10 kills did, for over 30 s, none of ours
+(`benchmarks/bench_reward_pool.py`, which also measures the per-call cost of both).
 Here each call goes to an idle worker process; when it has not answered within timeout_seconds
 the worker's whole process group is SIGKILLed (a sandbox it started goes with it) and a fresh
 worker is started in the background, so the caller gets score 0.0 right at the timeout. A reward
