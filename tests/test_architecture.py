@@ -63,3 +63,40 @@ def test_docs_point_at_documents_in_the_repository():
     for path in [*ROOT.glob("*.md"), *(ROOT / "tests").glob("*.py"), *PKG.rglob("*.py")]:
         for doc in re.findall(r"\b([A-Z][A-Z_]+\.md)\b", path.read_text()):
             assert (ROOT / doc).is_file(), f"{path.relative_to(ROOT)} cites {doc}, not in the repo"
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules `path` imports (inside functions too; not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(n.test) for b in n.body for x in ast.walk(b)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                out.add(name)
+    return out
+
+
+def test_no_import_cycle_between_files():
+    """One file of asyncrl/ never imports, through others, a file that imports it (package
+    __init__ files aside: they only re-export)."""
+    import graphlib
+
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in PKG.rglob("*.py")
+             if p.name != "__init__.py"}
+    graph = {m: _imported_modules(p, set(files)) - {m} for m, p in files.items()}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as err:
+        raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
