@@ -12,7 +12,9 @@ tests/test_main_job_record.py checks (benchmarks/results/main_job.json).
 
 The budget is wall-clock training time, so the figures move with the machine: the record keeps
 the fp32 matmul GFLOP/s measured before and after the seeds (all cores; best of 20 tries, so a
-busy moment does not lower it) beside them.
+busy moment does not lower it) beside them, and the report reads off the curves what a machine
+2x or 3x slower gets in the same 600 s (this machine's accuracy after 300 s or 200 s of
+training). `python benchmarks/main_job.py --report` prints the report of the saved record.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def seed_row(run: RunSummary, wall: float) -> dict:
     }
 
 
+def accuracy_at(curve: list, seconds: float) -> float:
+    """The last evaluation at or before `seconds` of training."""
+    return [acc for _, t, acc in curve if t <= seconds][-1]
+
+
 def report(rows: list[dict], sft: dict | None, console: Console) -> dict:
     pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     table = Table(title="asyncrl train configs/train_tiny.yaml: held-out greedy accuracy "
@@ -97,6 +104,13 @@ def report(rows: list[dict], sft: dict | None, console: Console) -> dict:
     table.add_row("worst", "", "", "", pct(summary["worst_final"]), "",
                   f"{summary['worst_gain'] * 100:+.1f} pts", "", "")
     console.print(table)
+    budget = max(r["train_seconds"] for r in rows)
+    for slower in (2, 3):
+        accs = [accuracy_at(r["curve"], r["train_seconds"] / slower) for r in rows]
+        summary[f"{slower}x_slower_mean_final"] = statistics.mean(accs)
+        summary[f"{slower}x_slower_worst_final"] = min(accs)
+        console.print(f"a machine {slower}x slower (this one's accuracy after {budget / slower:.0f}"
+                      f" s of training): mean {statistics.mean(accs):.1%}, worst {min(accs):.1%}")
     for r in rows:
         pts = ", ".join(f"{step}:{acc:.0%}@{t:.0f}s" for step, t, acc in r["curve"][::5])
         console.print(f"seed {r['seed']} (every 5th eval, step:acc@training s): {pts}",
@@ -118,8 +132,17 @@ def main() -> None:
                     help="build the tiny model and the warm start in a new, empty cache")
     ap.add_argument("--out", default="runs/main_job", help="run directories go here")
     ap.add_argument("--record", default=str(RECORD), help="'' to write no record")
+    ap.add_argument("--report", action="store_true",
+                    help="print the report of --record; run nothing")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (not recorded runs)")
     args = ap.parse_args()
+    if args.report:
+        rec = json.loads(Path(args.record).read_text())
+        report(rec["seeds"], rec["sft"], Console(width=160))
+        gflops = rec["machine"].get("matmul_gflops_before_after")
+        print(f"recorded {rec['date']} with `{rec['command']}`; fp32 matmul GFLOP/s before / after "
+              f"the seeds: {gflops}")
+        return
     if args.fresh_cache:
         os.environ["ASYNCRL_CACHE"] = tempfile.mkdtemp(prefix="asyncrl-cache-")
     console = Console(width=160)
