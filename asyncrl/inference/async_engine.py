@@ -77,6 +77,7 @@ class AsyncLLMEngine:
         self, engine: EngineConfig | LLMEngine, detokenize: Callable[[list[int]], str] | None = None
     ) -> None:
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine, detokenize)
+        self.max_seq_len, self.device = self.engine.max_seq_len, self.engine.device  # fixed
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _waiters, touched by callers and the engine thread
@@ -118,6 +119,10 @@ class AsyncLLMEngine:
 
     def get_version(self) -> int:
         return self.engine.version
+
+    def validate(self, req: ModelRequest) -> None:
+        """Raise ValueError for a request the engine cannot serve (before a stream starts)."""
+        self.engine.validate(req)
 
     def pause(self) -> None:
         """Stop scheduling and abort every unfinished request (they return partial output).
@@ -169,24 +174,18 @@ class AsyncLLMEngine:
         the tensors are a PEFT adapter, merged into the base model's weights on a worker thread
         (models/lora.py); only the adapted weights are then swapped in.
         """
-        if meta.lora:
-            merged = await asyncio.to_thread(self._merge_adapter, meta, weights)
-            update = self.engine.update_weights_from_state_dict
-            await asyncio.wrap_future(self._submit(
-                lambda: update(merged, meta.version, strict=False)))
-            return
-        if meta.kind == WeightUpdateKind.DISK:
+        if meta.lora:  # only the adapted weights change
+            weights = await asyncio.to_thread(self._merge_adapter, meta, weights)
+        elif meta.kind == WeightUpdateKind.DISK:
             weights = await asyncio.to_thread(lambda: list(iter_safetensors(meta.path)))
-        elif meta.kind == WeightUpdateKind.TENSORS:
-            if weights is None:
-                raise ValueError("update_weights(kind=tensors) needs the `weights` argument")
-        else:
-            raise ValueError(
-                f"kind={meta.kind.value!r} is not supported by the in-process engine; "
-                f"allowed {[WeightUpdateKind.DISK.value, WeightUpdateKind.TENSORS.value]}"
-            )
+        elif meta.kind != WeightUpdateKind.TENSORS:
+            raise ValueError(f"kind={meta.kind.value!r} is not supported by the in-process engine; "
+                             "allowed: disk, tensors")
+        elif weights is None:
+            raise ValueError("update_weights(kind=tensors) needs the `weights` argument")
         update = self.engine.update_weights_from_state_dict
-        await asyncio.wrap_future(self._submit(lambda: update(weights, meta.version)))
+        await asyncio.wrap_future(self._submit(
+            lambda: update(weights, meta.version, strict=not meta.lora)))
 
     def _merge_adapter(self, meta: WeightUpdateMeta, adapter: Mapping[str, torch.Tensor] | None
                        ) -> dict[str, torch.Tensor]:

@@ -74,7 +74,7 @@ class OpenAIRoutes:
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: Any, metrics: Any) -> None:
         self.engine, self.tokenizer, self.cfg, self.metrics = engine, tokenizer, cfg, metrics
-        self.max_len = engine.engine.max_seq_len
+        self.max_len = engine.max_seq_len
         # ServerConfig carries the chat options; a bare config object means the defaults
         self.chat_options = cfg if isinstance(cfg, ChatOptions) else ChatOptions()
 
@@ -109,7 +109,7 @@ class OpenAIRoutes:
         # A 400 now, before a stream has sent its 200 (the engine would reject it mid-stream);
         # the choices of one prompt differ only in their seed.
         for req in out[::body.n]:
-            self.engine.engine.validate(req)
+            self.engine.validate(req)
         return out
 
     async def run_all(self, reqs: list[ModelRequest]) -> list[ModelResponse]:

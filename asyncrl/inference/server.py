@@ -107,7 +107,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> Fas
     async def generate(body: GenerateBody) -> Any:
         req = ModelRequest(input_ids=body.input_ids, gconfig=body.gconfig(), **rid_kwargs(body.rid))
         if body.stream:
-            engine.engine.validate(req)  # a bad request is a 400 before the stream starts
+            engine.validate(req)  # a bad request is a 400 before the stream starts
             return StreamingResponse(stream_generate(engine, req, metrics),
                                      media_type="text/event-stream")
         t0 = time.perf_counter()
@@ -204,7 +204,7 @@ def add_group_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
             try:
                 receiver = await asyncio.to_thread(
                     DistributedWeightReceiver, meta, body.rank_offset, body.timeout_s,
-                    engine.engine.device)
+                    engine.device)
             except ValueError:
                 raise
             except Exception as err:  # the rendezvous failed: the trainer's end, not ours
