@@ -100,3 +100,37 @@ def test_no_import_cycle_between_files():
         tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as err:
         raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
+
+
+def test_engines_take_the_parameters_their_protocols_name():
+    """Protocols say what callers use: each method of ServingEngine and TrainEngine exists on the
+    engines a job builds and takes exactly the protocol's parameters."""
+    import inspect
+
+    from asyncrl.api.protocols import ServingEngine, TrainEngine
+    from asyncrl.inference.async_engine import AsyncLLMEngine
+    from asyncrl.inference.remote import RemoteInferenceEngine
+    from asyncrl.train.engine import HFTrainEngine
+
+    for proto, impls in ((ServingEngine, (AsyncLLMEngine, RemoteInferenceEngine)),
+                         (TrainEngine, (HFTrainEngine,))):
+        methods = {n for base in proto.__mro__ if base.__module__ == proto.__module__
+                   for n, v in vars(base).items() if inspect.isfunction(v) and n[0] != "_"}
+        assert methods, proto
+        for impl in impls:
+            for name in methods:
+                want = list(inspect.signature(getattr(proto, name)).parameters)
+                got = list(inspect.signature(getattr(impl, name)).parameters)
+                assert got == want, (
+                    f"{impl.__name__}.{name}{tuple(got)} does not take "
+                    f"{proto.__name__}.{name}{tuple(want)}")
+
+
+def test_no_caller_probes_an_engine_or_reaches_through_one():
+    """No `hasattr(engine, ...)` probe and no `x.engine.engine` reach-through in the package:
+    what callers need is in the engines' protocols."""
+    probe = re.compile(r"hasattr\(\s*[\w.]*engine|\bengine\.engine\.")
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+             for p in sorted(PKG.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert not found, "\n".join(found)
