@@ -74,7 +74,6 @@ class OpenAIRoutes:
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: Any, metrics: Any) -> None:
         self.engine, self.tokenizer, self.cfg, self.metrics = engine, tokenizer, cfg, metrics
-        self.max_len = engine.max_seq_len
         # ServerConfig carries the chat options; a bare config object means the defaults
         self.chat_options = cfg if isinstance(cfg, ChatOptions) else ChatOptions()
 
@@ -87,14 +86,14 @@ class OpenAIRoutes:
 
     def budget(self, prompt_len: int, asked: int | None) -> int:
         """max_new_tokens for a prompt: what was asked, never silently cut to fit the context."""
-        cap, room = self.cfg.max_tokens_cap, self.max_len - prompt_len
+        cap, room = self.cfg.max_tokens_cap, self.engine.max_seq_len - prompt_len
         if asked is None:
             asked = room if cap is None else min(room, cap)
         elif cap is not None and asked > cap:
             raise ValueError(f"max_tokens={asked} is out of range; allowed [1, {cap}]")
-        if asked < 1 or prompt_len + asked > self.max_len:
+        if asked < 1 or prompt_len + asked > self.engine.max_seq_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({asked}) is out of "
-                             f"range; allowed <= context length {self.max_len}")
+                             f"range; allowed <= context length {self.engine.max_seq_len}")
         return asked
 
     def requests(self, prompts: list[list[int]], body: Any, asked: int | None) -> list[ModelRequest]:
@@ -126,7 +125,7 @@ class OpenAIRoutes:
 
     async def models(self) -> dict:
         card = {"id": self.cfg.model_name, "object": "model", "owned_by": "asyncrl",
-                "max_model_len": self.max_len}
+                "max_model_len": self.engine.max_seq_len}
         return {"object": "list", "data": [card]}
 
     async def completions(self, body: CompletionBody):

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,8 +31,13 @@ from rich.progress import (
 from asyncrl.launch.sft_config import SFTRunConfig
 from asyncrl.launch.trainer_group import parallelism
 from asyncrl.models.chat import encode_chat_prompt
-from asyncrl.models.loading import (TINY_BUILD_VERSION, cache_root, load_causal_lm, load_tokenizer,
-                                    resolve_model_dir)
+from asyncrl.models.loading import (
+    TINY_BUILD_VERSION,
+    cache_root,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from asyncrl.models.tiny import save_model_dir
 from asyncrl.reward.exact import exact_answer_reward
 from asyncrl.train.engine import HFTrainEngine
@@ -78,9 +83,8 @@ def cache_key(cfg: SFTRunConfig) -> str:
 
 
 def output_dir_for(cfg: SFTRunConfig) -> Path:
-    if cfg.output_dir:
-        return Path(cfg.output_dir)
-    return cache_root() / "sft" / f"tiny-sft-{cache_key(cfg)}"
+    return (Path(cfg.output_dir) if cfg.output_dir
+            else cache_root() / "sft" / f"tiny-sft-{cache_key(cfg)}")
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int,
@@ -90,14 +94,11 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int,
     right tool call), which is why such eval rows should be clean demonstrations."""
     prompts, targets = [], []
     for r in rows:
-        if r.get("conversation") is not None:
-            ids, target = first_turn(tokenizer, r, template_kwargs)
-            prompts.append(ids)
-            targets.append(target)
-        else:
-            prompts.append(encode_chat_prompt(tokenizer, r["messages"],
-                                              template_kwargs=template_kwargs))
-            targets.append(None)
+        conv = r.get("conversation") is not None
+        ids, target = (first_turn(tokenizer, r, template_kwargs) if conv else (encode_chat_prompt(
+            tokenizer, r["messages"], template_kwargs=template_kwargs), None))
+        prompts.append(ids)
+        targets.append(target)
     outs = hf_greedy_generate(model, prompts, max_new_tokens, tokenizer.pad_token_id,
                               tokenizer.eos_token_id)
     plain = tokenizer.batch_decode(outs, skip_special_tokens=True)
@@ -111,10 +112,7 @@ def load_cached(out: Path) -> SFTResult | None:
     result = out / RESULT_FILE
     if not result.is_file():
         return None
-    data = json.loads(result.read_text())
-    data["cached"] = True
-    data["model_dir"] = str(out)
-    return SFTResult(**data)
+    return SFTResult(**{**json.loads(result.read_text()), "cached": True, "model_dir": str(out)})
 
 
 ESTIMATE_AFTER = 5  # steps timed before the SFT estimate is printed
@@ -186,10 +184,26 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
         model = trained_model()
         if model is None:
             return 0.0, None
-        model.eval()
-        return greedy_accuracy(model, tokenizer, eval_rows, cfg.sft.eval_max_new_tokens,
+        return greedy_accuracy(model.eval(), tokenizer, eval_rows, cfg.sft.eval_max_new_tokens,
                                cfg.model.template_kwargs()), model
 
+    history = train_with_progress(engine, examples, cfg, evaluate, console, lead, then)
+    train_seconds = history[-1]["time/elapsed_s"]
+    accuracy, model = evaluate()
+    result = SFTResult(str(out), accuracy, len(eval_rows), train_seconds, cfg.sft.steps,
+                       history[-1]["train/loss"])
+    if lead:
+        save_atomically(model, tokenizer, cfg, result, out)
+        console.print(f"SFT done in {train_seconds:.1f}s: eval greedy accuracy {accuracy:.1%} "
+                      f"on {len(eval_rows)} held-out problems -> {out}")
+    parallel.barrier()  # the model is in place before any rank uses it
+    return parallel.broadcast_object(result)
+
+
+def train_with_progress(engine: HFTrainEngine, examples: list, cfg: SFTRunConfig,
+                        evaluate: Callable[[], tuple[float, object]], console: Console, lead: bool,
+                        then: tuple[str, float | None] | None) -> list[dict[str, float]]:
+    """`train_sft` under rank 0's progress bar, with the estimate, log lines and evals."""
     columns = [TextColumn("[bold]sft"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console, transient=False, disable=not lead) as progress:
@@ -198,7 +212,7 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
         def on_step(step: int, stats: dict[str, float]) -> None:
             info = f"loss {stats['train/loss']:.3f} lr {stats['train/lr']:.1e}"
             if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
-                acc, _ = evaluate()
+                acc, _ = evaluate()  # every rank: gathering sharded weights is collective
                 if lead:
                     progress.console.print(f"step {step}: eval greedy accuracy {acc:.1%}")
             if not lead:
@@ -210,18 +224,7 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
                 progress.console.print(f"step {step}/{cfg.sft.steps}: {info}")
             progress.update(task, advance=1, info=info)
 
-        t0 = time.perf_counter()
-        history = train_sft(engine, examples, cfg.sft, on_step)
-        train_seconds = time.perf_counter() - t0
-    accuracy, model = evaluate()
-    result = SFTResult(str(out), accuracy, len(eval_rows), train_seconds, cfg.sft.steps,
-                       history[-1]["train/loss"])
-    if lead:
-        save_atomically(model, tokenizer, cfg, result, out)
-        console.print(f"SFT done in {train_seconds:.1f}s: eval greedy accuracy {accuracy:.1%} "
-                      f"on {len(eval_rows)} held-out problems -> {out}")
-    parallel.barrier()  # the model is in place before any rank uses it
-    return parallel.broadcast_object(result)
+        return train_sft(engine, examples, cfg.sft, on_step)
 
 
 def save_atomically(model, tokenizer, cfg: SFTRunConfig, result: SFTResult, out: Path) -> None:
