@@ -66,9 +66,16 @@ def hf_greedy(hf, prompts):
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_engine(model_dir, **kw):
+def engine_config(model_dir, **kw) -> EngineConfig:
+    """The CPU engine in fp32: these tests check its exactness (atol 1e-4) and its CPU kernels,
+    also on a CUDA machine; the CUDA engine's checks are in tests/test_engine_device.py."""
     kw.setdefault("max_seq_len", 128)
-    return LLMEngine(EngineConfig(model_path=str(model_dir), **kw))
+    kw.setdefault("device", "cpu")
+    return EngineConfig(model_path=str(model_dir), **kw)
+
+
+def make_engine(model_dir, **kw):
+    return LLMEngine(engine_config(model_dir, **kw))
 
 
 def greedy(n=24, **kw):
@@ -180,7 +187,7 @@ def test_stop_strings_through_detokenize_callback(model_dir, prompts, hf_greedy)
         return "".join(chr(65 + t % 26) for t in ids)
 
     text = detok(hf_greedy[3])
-    eng = LLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128), detokenize=detok)
+    eng = LLMEngine(engine_config(model_dir), detokenize=detok)
     out = eng.generate([ModelRequest(prompts[3], greedy(stop=[text[6:9]]))])[0]
     assert out.stop_reason == StopReason.STOP
     assert detok(out.output_tokens).endswith(text[6:9]) and len(out.output_tokens) <= 9
@@ -345,7 +352,7 @@ def test_async_engine_protocol_pause_and_updates(model_dir, hf, prompts, hf_gree
         with pytest.raises(ValueError, match="`weights`"):
             await engine.update_weights(WeightUpdateMeta.from_tensors(version=3))
 
-    with AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128)) as engine:
+    with AsyncLLMEngine(engine_config(model_dir)) as engine:
         assert isinstance(engine, InferenceEngine)
         asyncio.run(main(engine))
 
@@ -374,7 +381,7 @@ def test_async_stream_abort_cancel_and_stats(model_dir, prompts, hf_greedy):
         await wait_for_stats(engine, lambda s: s["running"] == 0 and s["waiting"] == 0)
         assert engine.stats()["kv_cache_usage"] == 0.0
 
-    with AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=1024)) as engine:
+    with AsyncLLMEngine(engine_config(model_dir, max_seq_len=1024)) as engine:
         asyncio.run(main(engine))
 
 
@@ -408,7 +415,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(model_dir):
     unfinished requests with EngineStepError; the next request is served as usual."""
     from asyncrl.inference.async_engine import EngineStepError
 
-    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128))
+    engine = AsyncLLMEngine(engine_config(model_dir))
     real_step, calls = engine.engine.step, []
 
     def flaky_step():
@@ -437,7 +444,7 @@ def test_a_dead_engine_thread_fails_callers_and_control_calls_instead_of_hanging
     waiting and every later control call (pause, abort) get EngineDeadError, none waits."""
     from asyncrl.inference.async_engine import MAX_FAILED_STEPS, EngineDeadError, EngineStepError
 
-    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128))
+    engine = AsyncLLMEngine(engine_config(model_dir))
 
     def broken_step():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

@@ -16,7 +16,8 @@ import transformers
 
 from asyncrl.api import GenerationConfig, ModelRequest
 from asyncrl.inference.engine import EngineConfig, LLMEngine
-from asyncrl.inference.engine import resolve_device, resolve_dtype
+from asyncrl.inference.engine import resolve_dtype
+from asyncrl.models.device import resolve_device
 from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.llama import LlamaArgs
 from asyncrl.inference.model_runner import iter_safetensors
@@ -144,6 +145,27 @@ def test_check_engine_placement_refuses_a_silent_split():
         check_engine_placement(cuda, "inprocess", EngineSettings(device="cpu"))
     check_engine_placement(cuda, "local", EngineSettings(device="cpu"))  # servers: their own
     check_engine_placement(torch.device("cpu"), "inprocess", EngineSettings(device="cpu"))
+
+
+def test_trainer_ranks_pick_their_backend_and_refuse_a_rank_without_a_gpu(monkeypatch):
+    """torchrun ranks: gloo for a CPU trainer (train.device=cpu, also where CUDA is), NCCL with one
+    GPU per local rank otherwise; a rank beyond the node's GPUs is one clear error, never CUDA's
+    "invalid device ordinal" (seen on an H200 with --nproc-per-node 2). CUDA is faked here: the
+    check runs before any CUDA call."""
+    from asyncrl.errors import UserError
+    from asyncrl.train import fsdp
+
+    joined = []
+    monkeypatch.setattr(fsdp.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(fsdp.dist, "init_process_group", joined.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert fsdp.init_distributed("cpu") == "cpu" and joined == ["gloo"]
+    with pytest.raises(UserError, match=r"rank 1 of this node has no GPU of its own \(1 visible\)"
+                                        r".*--nproc-per-node 1.*train.device=cpu"):
+        fsdp.init_distributed("cuda:0")
+    assert joined == ["gloo"]
 
 
 # ---- KV cache budget -----------------------------------------------------------------------

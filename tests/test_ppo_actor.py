@@ -28,7 +28,7 @@ def engine_factory(tmp_path_factory):
 
     def make(lr=1e-2, **actor):
         eng = HFTrainEngine.from_pretrained(path, TrainEngineConfig(
-            optimizer=OptimizerConfig(lr=lr, warmup_steps=0, schedule="constant")))
+            device="cpu", optimizer=OptimizerConfig(lr=lr, warmup_steps=0, schedule="constant")))
         return eng, PPOActor(eng, PPOActorConfig.from_dict(actor))
     return make
 

@@ -124,7 +124,9 @@ def pack_all(samples):
 # --- engine ------------------------------------------------------------------------------
 
 def engine(model_dir, temperature=1.0, trainable=True, **kw) -> HFTrainEngine:
+    """On the CPU in fp32 (also on a CUDA machine): the references here are CPU forwards."""
     opt = kw.pop("optimizer", OptimizerConfig(lr=1e-2, grad_clip=1.0))
+    kw.setdefault("device", "cpu")
     return HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(optimizer=opt, **kw),
                          head=LogprobHead(temperature), trainable=trainable)
 

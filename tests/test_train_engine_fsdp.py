@@ -48,7 +48,7 @@ from asyncrl.train.packing import pack_samples, shared_prefix_layout
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                        intermediate_size=128)
 # Small Adam lr and a larger eps keep weight comparisons meaningful: see test_train_engine.py.
-CFG = TrainEngineConfig(max_tokens_per_mb=16,
+CFG = TrainEngineConfig(max_tokens_per_mb=16, device="cpu",
                         optimizer=OptimizerConfig(lr=1e-3, eps=1e-6, grad_clip=1.0))
 TOTAL_STEPS = 10  # the LR schedule's horizon
 BF16 = CFG.model_copy(update={"autocast_dtype": "bfloat16"})
@@ -100,7 +100,7 @@ def fsdp_engine(model_dir, cfg=CFG) -> HFTrainEngine:
     from asyncrl.train.fsdp import FSDP2
 
     return HFTrainEngine(load_causal_lm(model_dir), cfg, total_steps=TOTAL_STEPS,
-                         parallel=FSDP2())
+                         parallel=FSDP2("cpu"))
 
 
 def step(engine: HFTrainEngine) -> dict[str, float]:
@@ -251,7 +251,8 @@ def worker(tmp_path_factory) -> dict[str, Any]:
         torch.save(rng_state(), work / "rng_1proc.pt")
         save_state(work / "ckpt_1proc", single.parallel, {"trainer": single})
         went_on = {"stats": step(single), "weights": single.model.state_dict()}
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), __file__, str(model_dir), str(work)]

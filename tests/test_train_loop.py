@@ -228,7 +228,8 @@ def torchrun_train(model_dir, run: Path, *overrides: str) -> subprocess.Complete
            "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
            "rollout.batch_size=4", "rollout.max_concurrent_rollouts=8",
            "filter_uniform_groups=false", "logging.tensorboard=false", "checkpoint_every=2",
-           "inference.engine.max_num_seqs=32", "torch_threads=1", *overrides]
+           "inference.engine.max_num_seqs=32", "torch_threads=1", "train.device=cpu",
+           "inference.engine.device=cpu", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
 
 

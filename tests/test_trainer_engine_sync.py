@@ -22,8 +22,9 @@ def test_weight_push_makes_engine_logprobs_equal_trainer_logprobs(tmp_path):
                                                  num_kv_heads=1, intermediate_size=128, seed=5),
                                  tmp_path / "m")
     trainer = HFTrainEngine.from_pretrained(
-        model_dir, TrainEngineConfig(optimizer=OptimizerConfig(lr=5e-2)), total_steps=10)
-    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=96))
+        model_dir, TrainEngineConfig(device="cpu", optimizer=OptimizerConfig(lr=5e-2)),
+        total_steps=10)  # both on the CPU in fp32, also on a CUDA machine: exact equality
+    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=96, device="cpu"))
     prompts = [[5 + i, 20 + i, 40, 41, 42][: 3 + i % 3] for i in range(6)]
     gconfig = GenerationConfig(max_new_tokens=12, min_new_tokens=12, temperature=1.0, seed=7)
 

@@ -4,16 +4,12 @@ pydantic, no torch: a run config loads without importing the engines."""
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 import pydantic
 
 from asyncrl.config import Config
-
-DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d+)?")
-DEVICE_CHOICES = "'auto', 'cpu', 'cuda', 'cuda:N'"
-
+from asyncrl.models.device import check_device_spec
 
 class EngineSettings(Config):
     """How the built-in engine runs, whatever model it serves: `asyncrl serve`'s `engine.*`,
@@ -47,13 +43,7 @@ class EngineSettings(Config):
     # this. None: torch's count.
     num_threads: int | None = pydantic.Field(None, ge=1)
 
-    @pydantic.field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        # Syntax only: a config written on a CPU head node may name the GPUs of its workers.
-        if not DEVICE_SPEC.fullmatch(value):
-            raise ValueError(f"device={value!r} is not allowed; allowed {DEVICE_CHOICES}")
-        return value
+    _known_device = pydantic.field_validator("device")(check_device_spec)
 
 
 

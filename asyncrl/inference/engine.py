@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.api import ModelRequest, ModelResponse, StopReason
 from asyncrl.inference import kernels
-from asyncrl.inference.config import DEVICE_CHOICES, DEVICE_SPEC, EngineSettings
+from asyncrl.inference.config import EngineSettings
 from asyncrl.inference.llama import LlamaArgs, unsupported_reason
 from asyncrl.inference.model_runner import (
     DTYPES,
@@ -32,27 +32,8 @@ from asyncrl.inference.model_runner import (
     read_hf_config,
 )
 from asyncrl.inference.sampler import Sampler
+from asyncrl.models.device import resolve_device
 from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence
-
-
-def resolve_device(spec: str) -> torch.device:
-    """"auto" -> the current CUDA device when torch sees one, else cpu; "cuda" / "cuda:N" must
-    exist on this machine (ValueError otherwise). A CUDA result always carries its index."""
-    if not DEVICE_SPEC.fullmatch(spec):
-        raise ValueError(f"device={spec!r} is not allowed; allowed {DEVICE_CHOICES}")
-    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device={spec!r} needs CUDA, which this torch ({torch.__version__}) does not see "
-            "(no GPU visible, or a CPU-only build); allowed here: 'auto', 'cpu'"
-        )
-    device = torch.device("cuda" if spec == "auto" else spec)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ValueError(f"device={spec!r} is out of range; allowed cuda:0 .. cuda:{count - 1}")
-    return torch.device("cuda", index)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

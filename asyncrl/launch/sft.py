@@ -137,7 +137,7 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
     runs after, its seconds or None), for the total-time estimate printed once the first steps
     are timed."""
     console = console or Console(stderr=True)
-    parallel = parallelism()
+    parallel = parallelism(cfg.train.device)
     lead = parallel.rank == 0
     out = output_dir_for(cfg)
     cached = parallel.broadcast_object(None if force or not lead else load_cached(out))

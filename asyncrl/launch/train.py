@@ -34,7 +34,7 @@ from asyncrl.config import parse_override, set_dotted
 from asyncrl.errors import UserError
 from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.inference.config import EngineSettings
-from asyncrl.inference.engine import resolve_device
+from asyncrl.models.device import resolve_device
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.launch.progress import TrainProgress
@@ -121,7 +121,7 @@ def run_rank(job: TrainJob) -> TrainResult:
     # a GPU trainer with a CPU in-process engine is refused before anything loads
     check_engine_placement(resolve_device(cfg.train.device or "auto"), cfg.inference.mode,
                            cfg.inference.engine)
-    parallel = parallelism()  # joins the process group under torchrun
+    parallel = parallelism(cfg.train.device)  # joins the process group under torchrun
     leader = parallel.rank == 0
     console = Console(stderr=True, quiet=not leader)
     if leader:

@@ -22,13 +22,14 @@ from asyncrl.train.parallel import Parallelism, SingleProcess
 from asyncrl.train.ppo_actor import PPOActor
 
 
-def parallelism() -> Parallelism:
-    """FSDP2 over the ranks torchrun (or a Ray launcher) started, or one process."""
+def parallelism(device: str | None) -> Parallelism:
+    """FSDP2 over the ranks torchrun (or a Ray launcher) started, or one process; `device`: the
+    trainer's (train.device), which picks NCCL or gloo."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return SingleProcess()
     from asyncrl.train.fsdp import FSDP2
 
-    return FSDP2()
+    return FSDP2(device)
 
 
 class TrainerGroup:

@@ -17,6 +17,7 @@ import pydantic
 from asyncrl.config import Config
 from asyncrl.errors import UserError
 from asyncrl.imports import import_object
+from asyncrl.models.device import check_device_spec
 from asyncrl.plugins import Registry
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -107,7 +108,9 @@ class TrainEngineConfig(Config):
     # Under FSDP bf16 also gathers the weights in bf16 (fsdp.mixed_precision).
     autocast_dtype: Literal["none", "bfloat16"] = "none"
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
-    device: str | None = pydantic.Field(None, description="None = cuda if available, else cpu")
+    # None or auto: the current CUDA device when torch sees one (a torchrun rank's own), else cpu
+    device: str | None = None
+    _known_device = pydantic.field_validator("device")(check_device_spec)
 
 
 class PolicyTrainConfig(TrainEngineConfig):

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.api.version import PolicyVersion
+from asyncrl.models.device import resolve_device
 from asyncrl.train.aggregation import normalizer_count
 from asyncrl.train.config import LoraConfig, TrainEngineConfig, lora_enabled
 from asyncrl.train.heads import LogprobHead, OutputHead
@@ -114,8 +115,7 @@ class HFTrainEngine:
         self.cfg = cfg or TrainEngineConfig()
         self.head = head or LogprobHead()
         self.parallel = parallel or SingleProcess()
-        default = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(self.cfg.device or default)
+        self.device = resolve_device(self.cfg.device or "auto")
         if self.cfg.gradient_checkpointing:
             # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
             kwargs = {"use_reentrant": False}

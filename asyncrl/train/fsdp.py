@@ -27,19 +27,28 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from asyncrl.api.trajectory import Sample
+from asyncrl.errors import UserError
+from asyncrl.models.device import resolve_device
 from asyncrl.train.config import TrainEngineConfig
 from asyncrl.train.packing import balanced_partition
 
 
-def init_distributed() -> None:
-    """Join the torchrun process group (env:// rendezvous) unless already joined."""
-    if dist.is_initialized():
-        return
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+def init_distributed(device: str | None) -> str:
+    """Join the torchrun process group (env:// rendezvous) unless already joined: NCCL with each
+    local rank on its own GPU when the trainer's `device` (train.device; None: auto) is CUDA, else
+    gloo. Returns the device type the group's collectives use."""
+    on_cuda = resolve_device(device or "auto").type == "cuda"
+    if not dist.is_initialized():
+        local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if on_cuda and local >= count:
+            raise UserError(f"trainer rank {local} of this node has no GPU of its own ({count} "
+                            f"visible): start at most {count} per node (torchrun "
+                            f"--nproc-per-node {count}), or train on the CPU over gloo with "
+                            "train.device=cpu")
+        if on_cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if on_cuda else "gloo")
+    return "cuda" if on_cuda else "cpu"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -72,8 +81,9 @@ class FSDP2:
 
     shares_prefixes = False  # a shared prompt's KV cache is invisible to FSDP2's backward hooks
 
-    def __init__(self) -> None:
-        init_distributed()
+    def __init__(self, device: str | None = None) -> None:
+        """`device`: the trainer's (train.device; None: auto), which picks NCCL or gloo."""
+        self.device_type = init_distributed(device)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
 
@@ -103,8 +113,7 @@ class FSDP2:
         return x
 
     def all_max(self, n: int) -> int:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        t = torch.tensor([n], dtype=torch.long, device=device)
+        t = torch.tensor([n], dtype=torch.long, device=self.device_type)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
