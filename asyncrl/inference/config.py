@@ -11,6 +11,7 @@ import pydantic
 from asyncrl.config import Config
 from asyncrl.models.device import check_device_spec
 
+
 class EngineSettings(Config):
     """How the built-in engine runs, whatever model it serves: `asyncrl serve`'s `engine.*`,
     a training job's `inference.engine` (in process, and for the servers it starts)."""

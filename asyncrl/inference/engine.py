@@ -32,8 +32,8 @@ from asyncrl.inference.model_runner import (
     read_hf_config,
 )
 from asyncrl.inference.sampler import Sampler
-from asyncrl.models.device import resolve_device
 from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence
+from asyncrl.models.device import resolve_device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -34,7 +34,6 @@ from asyncrl.config import parse_override, set_dotted
 from asyncrl.errors import UserError
 from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.inference.config import EngineSettings
-from asyncrl.models.device import resolve_device
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.launch.progress import TrainProgress
@@ -50,6 +49,7 @@ from asyncrl.launch.trainer_group import TrainerGroup, parallelism
 from asyncrl.launch.weight_check import LogprobCheck
 from asyncrl.launch.workflows import (AgentWorkflowConfig, WorkflowContext, evaluator_for,
                                       workflow_from_object)
+from asyncrl.models.device import resolve_device
 from asyncrl.models.loading import load_tokenizer, resolve_model_dir
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.train.config import lora_enabled
@@ -119,7 +119,7 @@ def run_rank(job: TrainJob) -> TrainResult:
     """The job on this process: every torchrun (or Ray) rank calls it; rank 0 leads."""
     cfg = job.cfg
     # a GPU trainer with a CPU in-process engine is refused before anything loads
-    check_engine_placement(resolve_device(cfg.train.device or "auto"), cfg.inference.mode,
+    check_engine_placement(resolve_device(cfg.train.device), cfg.inference.mode,
                            cfg.inference.engine)
     parallel = parallelism(cfg.train.device)  # joins the process group under torchrun
     leader = parallel.rank == 0

@@ -21,12 +21,13 @@ def check_device_spec(value: str | None) -> str | None:
     return value
 
 
-def resolve_device(spec: str) -> torch.device:
-    """"auto" -> the current CUDA device when torch sees one, else cpu; "cuda" / "cuda:N" must
-    exist on this machine (ValueError otherwise). A CUDA result always carries its index."""
+def resolve_device(spec: str | None) -> torch.device:
+    """"auto" (or None) -> the current CUDA device when torch sees one, else cpu; "cuda" /
+    "cuda:N" must exist on this machine (ValueError otherwise). A CUDA result always carries its
+    index."""
     import torch
 
-    check_device_spec(spec)
+    spec = check_device_spec(spec) or "auto"
     if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():

@@ -115,7 +115,7 @@ class HFTrainEngine:
         self.cfg = cfg or TrainEngineConfig()
         self.head = head or LogprobHead()
         self.parallel = parallel or SingleProcess()
-        self.device = resolve_device(self.cfg.device or "auto")
+        self.device = resolve_device(self.cfg.device)
         if self.cfg.gradient_checkpointing:
             # Non-reentrant checkpointing works with FSDP2 and with inputs that need no grad.
             kwargs = {"use_reentrant": False}

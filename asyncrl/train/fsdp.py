@@ -37,7 +37,7 @@ def init_distributed(device: str | None) -> str:
     """Join the torchrun process group (env:// rendezvous) unless already joined: NCCL with each
     local rank on its own GPU when the trainer's `device` (train.device; None: auto) is CUDA, else
     gloo. Returns the device type the group's collectives use."""
-    on_cuda = resolve_device(device or "auto").type == "cuda"
+    on_cuda = resolve_device(device).type == "cuda"
     if not dist.is_initialized():
         local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
         if on_cuda and local >= count:
