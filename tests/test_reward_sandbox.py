@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.reward import sandbox as sandbox_module
-from asyncrl.reward.code import code_reward, extract_program, run_tests
+from asyncrl.reward.code import code_reward_with_note, extract_program, run_tests
 from asyncrl.reward.math_verify import math_answer_reward
 from asyncrl.reward.pool import RewardPool, RewardPoolConfig, RewardStatus
 from asyncrl.reward.sandbox import (
@@ -271,15 +271,16 @@ def test_extract_program_prefers_the_last_python_block():
 
 @needs_isolation
 def test_code_reward_is_all_or_nothing():
-    assert code_reward(f"```python\n{ADD}```", ADD_TESTS, LIMITS) == 1.0
+    assert code_reward_with_note(f"```python\n{ADD}```", ADD_TESTS, LIMITS) == (
+        1.0, "passed (2 tests)")
     half_right = "a, b = map(int, input().split())\nprint(3)\n"
-    assert code_reward(half_right, ADD_TESTS, LIMITS) == 0.0
+    assert code_reward_with_note(half_right, ADD_TESTS, LIMITS) == (0.0, "wrong output (test 1)")
     outcomes = run_tests(half_right, ADD_TESTS, LIMITS)
     assert [o.passed for o in outcomes] == [True, False]
     with pytest.raises(ValueError, match="tests"):
-        code_reward(ADD, [], LIMITS)
+        code_reward_with_note(ADD, [], LIMITS)
     with pytest.raises(ValueError, match="tests\\[0\\]"):
-        code_reward(ADD, [{"stdin": "1 2"}], LIMITS)
+        code_reward_with_note(ADD, [{"stdin": "1 2"}], LIMITS)
 
 
 # -- the adversarial suite through the pool ------------------------------------------------------
@@ -310,12 +311,14 @@ def assert_scored_zero_in_time(pool, name, fn, *args):
     ("socket to an external IP", connect_program("1.1.1.1", 53), [{"input": "", "output": "3"}]),
 ])
 def test_adversarial_program_scores_zero(pool, name, program, tests):
-    outcome = assert_scored_zero_in_time(pool, name, code_reward, program, tests, POOL_LIMITS)
+    outcome = assert_scored_zero_in_time(pool, name, code_reward_with_note, program, tests,
+                                         POOL_LIMITS)
     assert outcome.status is RewardStatus.OK  # the sandbox stopped it, not the pool
 
 
 def test_adversarial_fork_bomb_scores_zero(pool, process_limit_holds):
-    assert_scored_zero_in_time(pool, "fork bomb", code_reward, FORK_BOMB, ADD_TESTS, POOL_LIMITS)
+    assert_scored_zero_in_time(pool, "fork bomb", code_reward_with_note, FORK_BOMB, ADD_TESTS,
+                               POOL_LIMITS)
     assert not sandbox_processes()
 
 
@@ -324,7 +327,7 @@ def test_adversarial_socket_to_host_loopback_scores_zero(pool):
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.setblocking(False)
         program = connect_program("127.0.0.1", server.getsockname()[1])
-        assert_scored_zero_in_time(pool, "socket to 127.0.0.1", code_reward, program,
+        assert_scored_zero_in_time(pool, "socket to 127.0.0.1", code_reward_with_note, program,
                                    [{"input": "", "output": "3"}], POOL_LIMITS)
         with pytest.raises(BlockingIOError):
             server.accept()
@@ -333,7 +336,7 @@ def test_adversarial_socket_to_host_loopback_scores_zero(pool):
 @needs_isolation
 def test_adversarial_writes_outside_workdir_score_zero(pool):
     paths = escape_paths()
-    assert_scored_zero_in_time(pool, "writes outside the work dir", code_reward,
+    assert_scored_zero_in_time(pool, "writes outside the work dir", code_reward_with_note,
                                escape_program(paths), [{"input": "", "output": "3"}], POOL_LIMITS)
     assert not [p for p in paths if os.path.exists(p)]
 
@@ -349,8 +352,8 @@ def test_adversarial_sympy_heavy_expression_times_out(pool):
 def test_worker_killed_mid_sandbox_takes_the_sandbox_with_it(pool):
     # Sandbox wall 30 s > pool timeout: the pool kills the worker while the program still runs.
     patient = POOL_LIMITS.model_copy(update={"wall_seconds": 30.0, "cpu_seconds": 30})
-    outcome = assert_scored_zero_in_time(pool, "sleeping program (pool kill)", code_reward,
-                                         SLEEP_FOREVER, ADD_TESTS, patient)
+    outcome = assert_scored_zero_in_time(pool, "sleeping program (pool kill)",
+                                         code_reward_with_note, SLEEP_FOREVER, ADD_TESTS, patient)
     assert outcome.status is RewardStatus.TIMEOUT
     deadline = time.monotonic() + 2.0  # PDEATHSIG delivery and the namespace teardown are async
     while sandbox_processes() and time.monotonic() < deadline:
@@ -372,7 +375,8 @@ def test_pool_still_scores_after_the_adversarial_suite(pool):
     # Runs last in this file (pytest keeps definition order): every case above has hit this pool.
     assert pool.score_sync(math_answer_reward, "so \\boxed{\\frac{1}{2}}", "0.5").score == 1.0
     if SKIP_REASON is None:
-        outcome = pool.score_sync(code_reward, f"```python\n{ADD}```", ADD_TESTS, POOL_LIMITS)
+        outcome = pool.score_sync(code_reward_with_note, f"```python\n{ADD}```", ADD_TESTS,
+                                  POOL_LIMITS)
         assert (outcome.status, outcome.score) == (RewardStatus.OK, 1.0)
     stats = pool.stats()
     assert stats.timeouts >= 2 and stats.worker_restarts >= stats.timeouts

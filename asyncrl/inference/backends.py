@@ -49,7 +49,7 @@ from asyncrl.plugins import Registry
 
 
 class AsyncrlBackend:
-    """This project's server (`asyncrl serve`, inference/server.py): exact ids, logprobs, versions."""
+    """This project's server (`asyncrl serve`): exact ids, logprobs, versions."""
 
     name = "asyncrl"
     supports_tensor_push = True
@@ -79,34 +79,27 @@ class AsyncrlBackend:
         return HttpCall("POST", "/generate", json=body)
 
     def parse_generate(self, body: Any) -> Segment:
-        try:
-            stop = StopReason(reply_field(body, "stop_reason"))
-        except ValueError:
-            raise BackendReplyError(f"unknown stop_reason {body['stop_reason']!r}") from None
-        return Segment(
-            tokens=list(reply_field(body, "output_tokens")),
-            logprobs=[float(x) for x in reply_field(body, "output_logprobs")],
-            versions=list(reply_field(body, "output_versions")),
-            stop_reason=stop,
-            ttft=body.get("ttft"),
-        )
+        delta = self.parse_stream_event(body)  # the whole reply has the last event's fields
+        if delta.stop_reason is None:
+            raise BackendReplyError(f"asyncrl reply has no stop_reason: {str(body)[:300]}")
+        return Segment(delta.tokens, delta.logprobs, delta.versions, delta.stop_reason,
+                       ttft=body.get("ttft"))
 
     def parse_stream_event(self, event: Any) -> Delta:
         """One event of `/generate` with stream: token deltas with their logprobs and versions;
         the last one carries the stop reason."""
         if isinstance(event, dict) and "error" in event:
-            raise BackendReplyError(f"asyncrl stream error: {str(event['error'])[:300]}")
-        tokens = list(reply_field(event, "output_tokens"))
-        logprobs = [float(x) for x in reply_field(event, "output_logprobs")]
-        versions = list(reply_field(event, "output_versions"))
+            raise BackendReplyError(f"asyncrl server error: {str(event['error'])[:300]}")
+        tokens, logprobs, versions = (list(reply_field(event, f"output_{k}"))
+                                      for k in ("tokens", "logprobs", "versions"))
         if not len(tokens) == len(logprobs) == len(versions):
-            raise BackendReplyError(f"asyncrl stream event lengths differ: {str(event)[:300]}")
+            raise BackendReplyError(f"asyncrl reply lengths differ: {str(event)[:300]}")
         stop = event.get("stop_reason")
         try:
             reason = None if stop is None else StopReason(stop)
         except ValueError:
             raise BackendReplyError(f"unknown stop_reason {stop!r}") from None
-        return Delta(tokens, logprobs, reason, versions)
+        return Delta(tokens, [float(x) for x in logprobs], reason, versions)
 
     def health_call(self) -> HttpCall:
         return HttpCall("GET", "/health")

@@ -322,11 +322,14 @@ class RemoteInferenceEngine:
 
     # ---- health -----------------------------------------------------------------------------
 
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(self._background.discard)
+
     def _probe_in_background(self) -> None:
         for server in self.pool.claim_probes():
-            task = asyncio.get_running_loop().create_task(self._probe(server))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._probe(server))
 
     async def _probe(self, server: ServerState) -> None:
         try:
@@ -348,9 +351,7 @@ class RemoteInferenceEngine:
             except (ServerFailure, RemoteRequestError) as err:
                 log.info("best-effort abort of %s on %s failed: %s", call_rid, server.address, err)
 
-        task = asyncio.get_running_loop().create_task(abort())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(abort())
 
     # ---- startup checks and per-server probes -------------------------------------------------
 

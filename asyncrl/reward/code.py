@@ -72,16 +72,6 @@ def run_tests(
     return outcomes
 
 
-def code_reward(
-    program: str, tests: Sequence[Mapping[str, str]], limits: SandboxLimits | None = None
-) -> float:
-    """1.0 when the program passes every test, else 0.0 (see the module docstring for why)."""
-    if not tests:
-        raise ValueError("tests=[]: need at least one {'input': ..., 'output': ...} test")
-    outcomes = run_tests(program, tests, limits)
-    return 1.0 if len(outcomes) == len(tests) and all(o.passed for o in outcomes) else 0.0
-
-
 def row_tests(row: Mapping[str, Any], field: str = "tests") -> list[dict[str, str]]:
     """The {"input", "output"} tests in `row[field]`: a list of them, that list as JSON, or the
     APPS / TACO `{"inputs": [...], "outputs": [...]}` form (a dict or its JSON)."""
@@ -116,8 +106,9 @@ def _as_text(value: Any) -> str:
 
 def code_reward_with_note(program: str, tests: Sequence[Mapping[str, str]],
                           limits: SandboxLimits | None = None) -> tuple[float, str]:
-    """`code_reward`, with a note saying how the first failing test ended (for the log and
-    `RewardOutcome.note`): "passed (3 tests)", "wrong output (test 1)", "timeout (test 0)"."""
+    """1.0 when the program passes every test, else 0.0 (see the module docstring for why), with a
+    note saying how the first failing test ended (for the log and `RewardOutcome.note`):
+    "passed (3 tests)", "wrong output (test 1)", "timeout (test 0)"."""
     if not tests:
         raise ValueError("tests=[]: need at least one {'input': ..., 'output': ...} test")
     outcomes = run_tests(program, tests, limits)

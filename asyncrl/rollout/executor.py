@@ -272,9 +272,12 @@ class WorkflowExecutor:
         if self._tasks:
             log.warning("suspend: %d episodes did not stop within %gs; they are cancelled and "
                         "their rows queued again", len(self._tasks), timeout)
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._cancel_episodes()
+
+    async def _cancel_episodes(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def run(self, coro: Any, timeout: float | None = None) -> Any:
         """Run `coro` on the executor's event loop (where the engine clients live) and return
@@ -305,13 +308,8 @@ class WorkflowExecutor:
         self._closed = True
         self.policy_version.unsubscribe(self._on_new_version)
 
-        async def cancel_all() -> None:
-            self._scheduler_task.cancel()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._scheduler_task.cancel)
+        asyncio.run_coroutine_threadsafe(self._cancel_episodes(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         if self.dump is not None:

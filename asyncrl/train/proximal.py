@@ -13,8 +13,6 @@ The proximal policy is the centre of PPO's trust region; the behaviour policy is
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from asyncrl.train.config import ProximalConfig
@@ -56,34 +54,6 @@ def approx_proximal_logprobs(
     return behaviour + alpha.to(behaviour.dtype) * (current - behaviour)
 
 
-def _recompute(behaviour, current, versions, current_version, recomputed):
-    if recomputed is None:
-        raise ValueError(
-            "proximal_logprobs='recompute' needs the recomputed logprobs from a forward pass of "
-            "the pre-update weights; pass them, or choose 'loglinear' / 'behaviour'"
-        )
-    return recomputed.detach()
-
-
-def _loglinear(behaviour, current, versions, current_version, recomputed):
-    if current is None or versions is None or current_version is None:
-        raise ValueError(
-            "proximal_logprobs='loglinear' needs current_logprobs, versions and current_version"
-        )
-    return approx_proximal_logprobs(behaviour, current, versions, current_version)
-
-
-def _behaviour(behaviour, current, versions, current_version, recomputed):
-    return behaviour.detach()
-
-
-PROXIMAL_SOURCES: dict[str, Callable[..., torch.Tensor]] = {
-    "recompute": _recompute,
-    "loglinear": _loglinear,
-    "behaviour": _behaviour,
-}
-
-
 def proximal_logprobs(
     cfg: ProximalConfig,
     behaviour_logprobs: torch.Tensor,
@@ -93,5 +63,16 @@ def proximal_logprobs(
     recomputed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The proximal logprobs [B, T] for the configured source (always detached)."""
-    source = PROXIMAL_SOURCES[cfg.proximal_logprobs]
-    return source(behaviour_logprobs, current_logprobs, versions, current_version, recomputed)
+    if cfg.proximal_logprobs == "behaviour":
+        return behaviour_logprobs.detach()
+    if cfg.proximal_logprobs == "recompute":
+        if recomputed is None:
+            raise ValueError(
+                "proximal_logprobs='recompute' needs the recomputed logprobs from a forward pass "
+                "of the pre-update weights; pass them, or choose 'loglinear' / 'behaviour'")
+        return recomputed.detach()
+    if current_logprobs is None or versions is None or current_version is None:
+        raise ValueError(
+            "proximal_logprobs='loglinear' needs current_logprobs, versions and current_version")
+    return approx_proximal_logprobs(behaviour_logprobs, current_logprobs, versions,
+                                    current_version)
