@@ -59,7 +59,8 @@ PRESETS: dict[str, ArchPreset] = {
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 TINY = "tiny"  # the embedded default (models/tiny.py), with its character tokenizer
-PRESET_NAMES = (TINY, *PRESETS)
+TINY_VL = "tiny-vl"  # the embedded vision-language model (models/tiny_vl.py), a small Qwen2-VL
+PRESET_NAMES = (TINY, TINY_VL, *PRESETS)
 
 
 def check_preset(name: str) -> str:
@@ -74,7 +75,7 @@ def check_preset(name: str) -> str:
 def check_dtype(dtype: str | None, name: str) -> str:
     """The dtype to build `name` in: `dtype`, or the preset's default when None."""
     if dtype is None:
-        return "float32" if name == TINY else PRESETS[name].default_dtype
+        return "float32" if name in (TINY, TINY_VL) else PRESETS[name].default_dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed {list(DTYPES)}")
     return dtype
@@ -86,8 +87,9 @@ def preset_hf_config(name: str, dtype: str | None = None):
 
     from asyncrl.models.bpe_tokenizer import ENDOFTEXT_ID, IM_END_ID
 
-    if check_preset(name) == TINY:
-        raise ValueError("preset='tiny' has no fixed config; see models/tiny.py TinyModelConfig")
+    if check_preset(name) in (TINY, TINY_VL):
+        raise ValueError(f"preset={name!r} is not a Qwen2.5 preset; see models/tiny.py and "
+                         "models/tiny_vl.py")
     arch = PRESETS[name]
     return Qwen2Config(
         **arch.model_dump(exclude={"default_dtype"}),
@@ -134,6 +136,10 @@ def build_preset_model(name: str, out_dir: str | Path, dtype: str | None = None,
     if check_preset(name) == TINY:
         return build_tiny_model(TinyModelConfig(dtype=check_dtype(dtype, name), seed=seed),
                                 out_dir)
+    if name == TINY_VL:
+        from asyncrl.models.tiny_vl import build_tiny_vl_model
+
+        return build_tiny_vl_model(out_dir, check_dtype(dtype, name), seed)
     model, tokenizer = build_preset_in_memory(name, dtype, seed)
     return save_model_dir(model, tokenizer, out_dir)
 
@@ -147,10 +153,13 @@ def preset_model_dir(name: str, dtype: str | None = None, seed: int = 0) -> Path
     dtype = check_dtype(dtype, check_preset(name))
     if name == TINY:
         return default_model_dir(TinyModelConfig(dtype=dtype, seed=seed))
-    from asyncrl.models.bpe_tokenizer import bpe_tokenizer_dir
+    if name == TINY_VL:
+        payload = f"v{PRESET_BUILD_VERSION}\n{name}\n{dtype}\n{seed}"
+    else:
+        from asyncrl.models.bpe_tokenizer import bpe_tokenizer_dir
 
-    payload = (f"v{PRESET_BUILD_VERSION}\n{PRESETS[name].to_yaml()}\n{dtype}\n{seed}\n"
-               f"{bpe_tokenizer_dir().name}")
+        payload = (f"v{PRESET_BUILD_VERSION}\n{PRESETS[name].to_yaml()}\n{dtype}\n{seed}\n"
+                   f"{bpe_tokenizer_dir().name}")
     key = hashlib.sha256(payload.encode()).hexdigest()[:12]
     return cache_root() / "models" / f"{name}-{dtype}-{key}"
 

@@ -35,11 +35,22 @@ CHARACTERS = ("\n", *(chr(c) for c in range(32, 127)))
 # per tool would add ~200 tokens to every sequence. An assistant's tool calls render as
 # `<tool_call>{"name":...,"arguments":...}</tool_call>` right after its content, the exact text the
 # proxy parses back out of generations (arguments kept verbatim when they are already a string).
+TEXT_PART = "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+# With images (models/tiny_vl.py): an image part renders as Qwen2-VL's placeholder, which becomes
+# one <|image_pad|> per merged patch of that image before the model sees it (as Qwen2-VL's
+# processor does).
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+TEXT_OR_IMAGE_PART = ("{%- if part.type == 'text' -%}{{- part.text -}}"
+                      "{%- elif part.type in ['image', 'image_url'] -%}{{- '" + IMAGE_PLACEHOLDER
+                      + "' -}}{%- endif -%}")
+
+
+
 CHAT_TEMPLATE = (
     "{%- macro render_content(content) -%}"
     "{%- if content is string -%}{{- content -}}"
     "{%- elif content -%}{%- for part in content -%}"
-    "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    + TEXT_PART +
     "{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
     "{%- macro render_tool(tool) -%}"
@@ -85,6 +96,12 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+
+
+def chat_template(part: str = TEXT_PART) -> str:
+    """CHAT_TEMPLATE with `part` rendering each part of a list content (TEXT_OR_IMAGE_PART: a
+    vision-language model's)."""
+    return CHAT_TEMPLATE.replace(TEXT_PART, part)
 
 
 def _char_backend() -> Tokenizer:

@@ -1,0 +1,93 @@
+"""Build the embedded vision-language model: a small random-init Qwen2-VL with the char tokenizer.
+
+The text side is the tiny model's shape (models/tiny.py: hidden 256, 8 layers, 4 heads / 2 KV
+heads, MLP 768, tied embeddings) with multimodal RoPE (M-RoPE, sections 8/12/12 of the 32 rotary
+pairs per head); the vision tower is Qwen2-VL's (14 px patches, 2 frames per temporal patch, 2 x 2
+patches merged into one token) at width 64 and depth 2. The tokenizer is the character tokenizer
+plus Qwen2-VL's vision tokens (<|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>,
+ids 101-104), and its chat template renders an image part as the placeholder
+<|vision_start|><|image_pad|><|vision_end|>. The image processor is Qwen2-VL's, capped at 112 x 112
+pixels, so an image costs at most 64 patches -> 16 tokens.
+
+The result is an ordinary HF directory (config.json, model.safetensors, generation_config.json,
+tokenizer files, preprocessor_config.json) that transformers' image-text-to-text classes load as
+they load Qwen2-VL. transformers' combined Qwen2-VL processor also wants a video processor, which
+needs torchvision; this machine's CPU torch has no matching torchvision build, so the directory
+holds the image processor and the tokenizer, each loadable on its own (AutoImageProcessor,
+AutoTokenizer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asyncrl.models.tiny import DTYPES, padded_vocab_size
+from asyncrl.models.tokenizer import (
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    PAD_ID,
+    TEXT_OR_IMAGE_PART,
+    build_char_tokenizer,
+    chat_template,
+)
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+MAX_IMAGE_PIXELS = 112 * 112  # 8 x 8 patches -> 16 image tokens
+MIN_IMAGE_PIXELS = 56 * 56
+
+
+def build_vl_tokenizer():
+    """The character tokenizer with Qwen2-VL's vision tokens and the image-aware template."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = chat_template(TEXT_OR_IMAGE_PART)
+    return tokenizer
+
+
+def tiny_vl_config(tokenizer, dtype: str = "float32"):
+    from transformers import Qwen2VLConfig
+
+    ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=padded_vocab_size(len(tokenizer), 64), hidden_size=256,
+            num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=768, max_position_embeddings=2048, rope_theta=10000.0,
+            # M-RoPE: the 32 rotary pairs of a 64-wide head split over (time, height, width)
+            rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
+            tie_word_embeddings=True, bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
+            pad_token_id=PAD_ID),
+        vision_config=dict(
+            depth=2, embed_dim=64, hidden_size=256, num_heads=4, mlp_ratio=2,
+            patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
+            temporal_patch_size=TEMPORAL_PATCH_SIZE, in_channels=3),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True, architectures=["Qwen2VLForConditionalGeneration"],
+        dtype=dtype)
+
+
+def build_tiny_vl_model(out_dir: str | Path, dtype: str = "float32", seed: int = 0) -> Path:
+    """Build the tiny VLM (seeded random weights) and save it as a HF directory at `out_dir`."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from asyncrl.models.export import save_model_dir
+
+    tokenizer = build_vl_tokenizer()
+    with torch.random.fork_rng(devices=[]):  # HF init draws from the global RNG
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(tiny_vl_config(tokenizer, dtype),
+                                                        dtype=DTYPES[dtype])
+    model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
+                                               pad_token_id=PAD_ID)
+    out = save_model_dir(model.eval(), tokenizer, out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=MIN_IMAGE_PIXELS, max_pixels=MAX_IMAGE_PIXELS,
+                             patch_size=PATCH_SIZE, merge_size=MERGE_SIZE,
+                             temporal_patch_size=TEMPORAL_PATCH_SIZE).save_pretrained(out)
+    return out
