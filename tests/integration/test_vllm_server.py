@@ -160,20 +160,22 @@ def test_cancelled_request_is_aborted_on_the_server(servers):
     g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
     tokens_before = metric(url, "vllm:generation_tokens_total")
 
+    async def until(running: bool) -> None:  # state, not a sleep: the server's own gauge
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(metric, url, "vllm:num_requests_running") > 0) != running:
+            assert time.monotonic() < deadline, f"the server never had running={running}"
+            await asyncio.sleep(0.02)
+
     async def run():
         task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid="to-abort")))
-        await asyncio.sleep(0.2)
+        await until(running=True)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.5)  # the abort is sent in the background
+        await until(running=False)  # the abort, sent in the background, ended it
         await engine.aclose()
 
     asyncio.run(run())
-    deadline = time.monotonic() + 5
-    while metric(url, "vllm:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert metric(url, "vllm:num_requests_running") == 0
     time.sleep(1.0)  # had it kept running, it would produce its 1,000 tokens meanwhile
     generated = metric(url, "vllm:generation_tokens_total") - tokens_before
     assert generated < 1000, f"the cancelled request generated {generated} tokens on the server"

@@ -1,0 +1,149 @@
+"""Multimodal prompts: chat messages with images -> what a Qwen2-VL-style model takes.
+
+A message's content may hold image parts: `{"type": "image", "image": X}` or OpenAI's
+`{"type": "image_url", "image_url": {"url": X}}`, where X is a PIL image, a file path, raw bytes,
+a `data:image/...;base64,` URL or a `datasets` Image value (`{"bytes": ..., "path": ...}`); an
+image part without a payload (`{"type": "image"}`) takes the next of `images`, in order. The chat
+template renders each image as the model's placeholder (<|vision_start|><|image_pad|>
+<|vision_end|>); `encode` then repeats <|image_pad|> once per merged patch block of that image
+(grid t * h * w / merge_size^2), which is what Qwen2-VL's processor does and what vLLM puts in a
+served prompt, and returns the image processor's pixel patches and grid sizes beside the ids.
+
+transformers' combined processor is not used: it also wants a video processor, which needs
+torchvision (absent where torch is a CPU build); the image processor and the tokenizer load alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from asyncrl.models.chat import render_chat
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    input_ids: list[int]  # the placeholder expanded: one IMAGE_PAD id per merged patch block
+    pixel_values: torch.Tensor  # [patches of every image, channels * temporal * patch^2]
+    image_grid_thw: torch.Tensor  # [images, 3]: each image's (t, h, w) in patches
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
+def load_image(value: Any) -> Image.Image:
+    """An RGB PIL image from any of the forms the module docstring lists (ValueError otherwise,
+    naming the form)."""
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, Mapping):  # a `datasets` Image value, or {"url": ...}
+        inner = value.get("bytes") or value.get("path") or value.get("url")
+        if inner is None:
+            raise ValueError(f"image {sorted(value)}: needs 'bytes', 'path' or 'url'")
+        return load_image(inner)
+    try:
+        if isinstance(value, (bytes, bytearray)):
+            return Image.open(io.BytesIO(value)).convert("RGB")
+        if isinstance(value, str) and value.startswith("data:"):
+            header, _, payload = value.partition(",")
+            if ";base64" not in header:
+                raise ValueError(f"image data URL {header[:40]!r}...: only base64 is supported")
+            return load_image(base64.b64decode(payload, validate=True))
+        if isinstance(value, (str, Path)):
+            with Image.open(value) as img:
+                return img.convert("RGB")
+    except (OSError, UnidentifiedImageError, binascii.Error) as err:
+        raise ValueError(f"image {_describe(value)} cannot be decoded: {err}") from None
+    raise ValueError(f"image of type {type(value).__name__}: allowed a PIL image, a path, bytes, "
+                     "a base64 data URL or {'bytes'|'path': ...}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return f"({len(value)} bytes)"
+    return repr(str(value)[:80])
+
+
+def message_images(messages: Sequence[Mapping[str, Any]], images: Sequence[Any] = ()
+                   ) -> list[Image.Image]:
+    """The images of `messages`' image parts, in order (a part without a payload takes the next of
+    `images`); every one of `images` must be taken."""
+    extra, out = list(images), []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                out.append(load_image(url.get("url") if isinstance(url, Mapping) else url))
+            elif kind == "image":
+                if part.get("image") is not None:
+                    out.append(load_image(part["image"]))
+                elif extra:
+                    out.append(load_image(extra.pop(0)))
+                else:
+                    raise ValueError(f"image part {len(out)} has no payload and no image is left "
+                                     f"of the {len(images)} given")
+    if extra:
+        raise ValueError(f"{len(images)} images given but the messages have only "
+                         f"{len(images) - len(extra)} image parts without a payload")
+    return out
+
+
+class VisionPromptEncoder:
+    """Chat messages with images -> `ImagePrompt`, with a model's tokenizer and image processor
+    (`AutoImageProcessor.from_pretrained(model_dir)`)."""
+
+    def __init__(self, tokenizer: Any, image_processor: Any) -> None:
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {IMAGE_PAD} token: not a vision-language "
+                             "model's tokenizer")
+        self.merge = int(getattr(image_processor, "merge_size", 2))
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, trust_remote_code: bool = False
+                       ) -> VisionPromptEncoder:
+        """The encoder of the model directory `path` (its tokenizer and image processor)."""
+        from transformers import AutoImageProcessor
+
+        from asyncrl.models.loading import check_model_dir, load_tokenizer
+
+        p = check_model_dir(path)
+        if not (p / "preprocessor_config.json").is_file():
+            raise ValueError(f"model dir {p} has no preprocessor_config.json: not a "
+                             "vision-language model (no image processor)")
+        processor = AutoImageProcessor.from_pretrained(p, local_files_only=True,
+                                                       trust_remote_code=trust_remote_code)
+        return cls(load_tokenizer(p, trust_remote_code), processor)
+
+    def encode(self, messages: Sequence[Mapping[str, Any]], images: Sequence[Any] = (),
+               template_kwargs: Mapping[str, Any] | None = None) -> ImagePrompt:
+        """The prompt of `messages` (generation prompt appended) with its images."""
+        pictures = message_images(messages, images)
+        text = render_chat(self.tokenizer, list(messages), True, None, template_kwargs)
+        if text.count(IMAGE_PAD) != len(pictures):
+            raise ValueError(f"the chat template placed {text.count(IMAGE_PAD)} images but the "
+                             f"messages hold {len(pictures)}: does it render image parts?")
+        if not pictures:
+            return ImagePrompt(self.tokenizer.encode(text, add_special_tokens=False),
+                               torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long))
+        processed = self.image_processor(images=pictures, return_tensors="pt")
+        grid = processed["image_grid_thw"]
+        pieces = text.split(IMAGE_PAD)
+        expanded = pieces[0] + "".join(IMAGE_PAD * (int(g.prod()) // self.merge ** 2) + rest
+                                       for g, rest in zip(grid, pieces[1:]))
+        return ImagePrompt(self.tokenizer.encode(expanded, add_special_tokens=False),
+                           processed["pixel_values"], grid)

