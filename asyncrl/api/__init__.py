@@ -22,7 +22,8 @@ from asyncrl.api.protocols import (
     TrainEngine,
 )
 from asyncrl.api.loss import LossInputs, PolicyLoss
-from asyncrl.api.trajectory import PROMPT_VERSION, RolloutStatus, Sample, Trajectory
+from asyncrl.api.trajectory import (PROMPT_VERSION, ImageInputs, RolloutStatus, Sample,
+                                    Trajectory)
 from asyncrl.api.validation import check_choice, check_range
 from asyncrl.api.version import PolicyVersion
 from asyncrl.api.weights import WeightUpdateKind, WeightUpdateMeta
@@ -49,6 +50,7 @@ __all__ = [
     "RolloutStatus",
     "RolloutWorkflow",
     "Sample",
+    "ImageInputs",
     "ServingEngine",
     "Stateful",
     "StopReason",

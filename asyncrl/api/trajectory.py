@@ -27,6 +27,18 @@ class RolloutStatus(str, Enum):
     FAILED = "failed"  # workflow raised; traceback is logged
 
 
+@dataclass(frozen=True)
+class ImageInputs:
+    """A prompt's images as a vision-language model takes them (models/vision.py builds them):
+    pixel patches [patches, features] and each image's (t, h, w) patch grid [images, 3], torch
+    tensors (typed loosely: this module stays torch-free). `digest` names the content (equal
+    images, equal digest). Samples of one prompt share one ImageInputs object."""
+
+    pixel_values: Any
+    grid_thw: Any
+    digest: str
+
+
 @dataclass
 class Sample:
     input_ids: list[int]
@@ -37,6 +49,7 @@ class Sample:
     token_rewards: list[float] | None = None
     stop_reason: StopReason = StopReason.STOP
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: ImageInputs | None = None  # the prompt's images (their pads are in input_ids)
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

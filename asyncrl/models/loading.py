@@ -133,19 +133,32 @@ def _tokenizer_class(p: Path) -> str | None:
 
 def load_causal_lm(path: str | Path, dtype: str = "float32",
                    trust_remote_code: bool = False) -> PreTrainedModel:
-    """The causal LM in the local model directory `path`, in `dtype`, in eval mode on CPU."""
+    """The causal LM in the local model directory `path`, in `dtype`, in eval mode on CPU; a
+    vision-language model (a config with `vision_config`, e.g. Qwen2-VL) loads as its
+    image-text-to-text class, which also generates text."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
     p = check_model_dir(path)
     check_remote_code(p, trust_remote_code)
     try:
         with quiet_hf_progress():
-            model = AutoModelForCausalLM.from_pretrained(
+            auto = AutoModelForCausalLM
+            if is_vision_language(p):
+                from transformers import AutoModelForImageTextToText as auto
+            model = auto.from_pretrained(
                 p, dtype=DTYPES[dtype], local_files_only=True, trust_remote_code=trust_remote_code
             )
     except OSError as err:  # e.g. config.json present but no weight files
         raise ModelLoadError(f"model dir {p}: cannot load model weights: {err}") from err
     return model.eval()
+
+
+def is_vision_language(path: str | Path) -> bool:
+    """Whether the model directory's config.json describes a vision-language model."""
+    try:
+        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def cache_root() -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from asyncrl.api.trajectory import ImageInputs
 from asyncrl.models.chat import render_chat
 
 IMAGE_PAD = "<|image_pad|>"
@@ -40,6 +42,14 @@ class ImagePrompt:
     @property
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
+
+    def image_inputs(self) -> ImageInputs | None:
+        """What a `Sample` of this prompt carries (None without images)."""
+        if not self.num_images:
+            return None
+        digest = hashlib.sha256(self.image_grid_thw.numpy().tobytes()
+                                + self.pixel_values.numpy().tobytes()).hexdigest()[:16]
+        return ImageInputs(self.pixel_values, self.image_grid_thw, digest)
 
 
 def load_image(value: Any) -> Image.Image:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import logging
 import pickle
 import random
@@ -223,6 +224,10 @@ class HFTrainEngine:
         """The model's per-position output [N, ...] for a micro-batch, in `attention_layout`,
         and which positions were computed (None: all; a shared prefix's are not, and are 0)."""
         mb = mb.to(self.device)
+        if mb.has_images and not self.padded:
+            raise ValueError("samples with images need train.attention_layout padded (or auto "
+                             "without flash-attention): a packed row has no per-sample "
+                             "multimodal positions")
         with self._autocast():
             if self.padded:
                 shared = shared_prefix_layout(mb) if self.share_prefixes else None
@@ -230,12 +235,27 @@ class HFTrainEngine:
                     return self._shared_prefix_outputs(mb, shared)
                 ids, mask, index = padded_layout(mb)
                 out = self.head.raw(self.model(input_ids=ids, attention_mask=mask,
-                                               use_cache=False))
+                                               use_cache=False, **self._image_kwargs(mb, ids)))
                 return out.flatten(0, 1)[index], None
             # No attention_mask and no cache: transformers then reads sample boundaries off the
             # restarting position_ids and builds a block-diagonal causal mask.
             out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
             return self.head.raw(out)[0], None
+
+    def _image_kwargs(self, mb: PackedMicroBatch, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The micro-batch's images for a vision-language model's forward (rows in packing
+        order): pixel patches, grids, and which tokens are image tokens."""
+        if not mb.has_images:
+            return {}
+        images = [x for x in mb.images if x is not None]
+        kwargs = {"pixel_values": torch.cat([x.pixel_values for x in images]).to(self.device),
+                  "image_grid_thw": torch.cat([x.grid_thw for x in images]).to(self.device)}
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        if "mm_token_type_ids" in inspect.signature(base.forward).parameters:
+            # transformers >= 5.2x computes multimodal positions from it (1: image token)
+            image_id = self.model.config.image_token_id
+            kwargs["mm_token_type_ids"] = (ids == image_id).long()
+        return kwargs
 
     def _shared_prefix_outputs(self, mb: PackedMicroBatch, lay: SharedPrefixLayout
                                ) -> tuple[torch.Tensor, torch.Tensor]:

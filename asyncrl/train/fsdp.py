@@ -52,11 +52,13 @@ def init_distributed(device: str | None) -> str:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a HF causal LM (Llama/Qwen2 layout: model.model.layers), also
-    inside a PEFT wrapper."""
+    """The repeated blocks of a HF causal LM (Llama/Qwen2 layout: model.model.layers; a
+    Qwen2-VL's language model: model.model.language_model.layers, the vision tower then goes
+    with the root), also inside a PEFT wrapper."""
     if hasattr(model, "get_base_model"):  # PeftModel: its layers are the wrapped model's
         model = model.get_base_model()
     inner = getattr(model, "model", None)
+    inner = getattr(inner, "language_model", inner)
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no model.layers; FSDP wrapping needs the "

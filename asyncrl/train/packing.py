@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.api.trajectory import Sample
+from asyncrl.api.trajectory import ImageInputs, Sample
 
 
 @dataclass
@@ -35,10 +35,16 @@ class PackedMicroBatch:
     cu_seqlens: torch.Tensor  # [k + 1] int32 offsets of the k samples in the row
     sample_index: list[int]  # position in the caller's list of each packed sample
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # each packed sample's images (None: text only), in packing order
+    images: list[ImageInputs | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    @property
+    def has_images(self) -> bool:
+        return any(x is not None for x in self.images)
 
     # the fields every micro-batch has (see `pack_samples`); callers' own fields are in `tensors`
     loss_mask = property(lambda self: self.tensors["loss_mask"])
@@ -60,6 +66,7 @@ class PackedMicroBatch:
             self.cu_seqlens.to(device),
             list(self.sample_index),
             {k: v.to(device) for k, v in self.tensors.items()},
+            list(self.images),
         )
 
 
@@ -163,6 +170,7 @@ def pack_samples(
         cu_seqlens=offsets,
         sample_index=list(indices),
         tensors=tensors,
+        images=[samples[i].images for i in indices],
     )
 
 
@@ -202,7 +210,10 @@ def prefix_units(samples: Sequence[Sample], indices: Sequence[int]) -> list[list
     units: dict[tuple[int, ...], list[int]] = {}
     for i in indices:
         s = samples[i]
-        key = tuple(s.input_ids[: shared_prefix_len(s.loss_mask)]) or (-1 - i,)  # none: alone
+        # alone: no shared prefix, or images (a continuation's multimodal positions depend on
+        # its prompt's image grids, which the KV-cache path does not carry)
+        key = (tuple(s.input_ids[: shared_prefix_len(s.loss_mask)]) if s.images is None
+               else ()) or (-1 - i,)
         units.setdefault(key, []).append(i)
     return list(units.values())
 
@@ -249,7 +260,10 @@ class SharedPrefixLayout:
 
 
 def shared_prefix_layout(mb: PackedMicroBatch) -> SharedPrefixLayout | None:
-    """The layout computing each shared prefix once; None when no two samples share one."""
+    """The layout computing each shared prefix once; None when no two samples share one, or
+    when a sample has images (see `prefix_units`)."""
+    if mb.has_images:
+        return None
     ids = mb.input_ids[0].tolist()
     mask = mb.tensors["loss_mask"].tolist()
     bounds = mb.cu_seqlens.tolist()
