@@ -22,8 +22,8 @@ from asyncrl.api.protocols import (
     TrainEngine,
 )
 from asyncrl.api.loss import LossInputs, PolicyLoss
-from asyncrl.api.trajectory import (PROMPT_VERSION, ImageInputs, RolloutStatus, Sample,
-                                    Trajectory)
+from asyncrl.api.images import ImageInputs
+from asyncrl.api.trajectory import PROMPT_VERSION, RolloutStatus, Sample, Trajectory
 from asyncrl.api.validation import check_choice, check_range
 from asyncrl.api.version import PolicyVersion
 from asyncrl.api.weights import WeightUpdateKind, WeightUpdateMeta

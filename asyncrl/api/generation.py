@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from asyncrl.api.images import ImageInputs
 from asyncrl.api.validation import check_range
 
 # Seeds a per-request torch.Generator takes; outside them seeding fails inside the engine's step.
@@ -78,6 +79,7 @@ class ModelRequest:
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=new_request_id)
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: ImageInputs | None = None  # the prompt's images (their pads are in input_ids)
 
     def __post_init__(self) -> None:
         if not self.input_ids:

@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any
 
 from asyncrl.api.generation import StopReason
+from asyncrl.api.images import ImageInputs
 
 PROMPT_VERSION = -1
 
@@ -25,18 +26,6 @@ class RolloutStatus(str, Enum):
     ACCEPTED = "accepted"
     REJECTED = "rejected"  # workflow returned None or the accept filter said no
     FAILED = "failed"  # workflow raised; traceback is logged
-
-
-@dataclass(frozen=True)
-class ImageInputs:
-    """A prompt's images as a vision-language model takes them (models/vision.py builds them):
-    pixel patches [patches, features] and each image's (t, h, w) patch grid [images, 3], torch
-    tensors (typed loosely: this module stays torch-free). `digest` names the content (equal
-    images, equal digest). Samples of one prompt share one ImageInputs object."""
-
-    pixel_values: Any
-    grid_thw: Any
-    digest: str
 
 
 @dataclass

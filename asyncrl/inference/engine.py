@@ -64,7 +64,9 @@ class LLMEngine:
         hf_config = read_hf_config(config.model_path)
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device)
-        max_pos = hf_config.get("max_position_embeddings", 1 << 30)
+        # a vision-language model's language side holds it (Qwen2-VL: text_config)
+        max_pos = {**hf_config.get("text_config", {}), **hf_config}.get(
+            "max_position_embeddings", 1 << 30)
         self.max_seq_len = config.max_seq_len or max_pos
         if self.max_seq_len > max_pos:
             raise ValueError(
@@ -145,12 +147,14 @@ class LLMEngine:
             )
         if g.stop and self.detokenize is None:
             raise ValueError(f"stop={g.stop} needs an engine built with a detokenize callback")
+        if req.images is not None:
+            self.runner.check_images(req.input_ids, req.images)
         if req.rid in self._rids:
             raise ValueError(f"request id {req.rid!r} is already in flight")
 
     def add_request(self, req: ModelRequest) -> None:
         self.validate(req)
-        seq = Sequence(req.rid, list(req.input_ids), req.gconfig)
+        seq = Sequence(req.rid, list(req.input_ids), req.gconfig, images=req.images)
         self._rids[req.rid] = seq
         self.scheduler.add(seq)
 

@@ -12,10 +12,11 @@ with one copy per tensor; incoming weights (any device) are copied into the devi
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +34,9 @@ class Runner(Protocol):
     def move_slots(self, moves: list[tuple[int, int]]) -> None: ...
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], strict: bool = True) -> None: ...
+
+    def check_images(self, input_ids: list[int], images: Any) -> None:
+        """Raise ValueError unless this runner can serve a prompt with these images."""
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -130,6 +134,11 @@ class ModelRunner:
     def load_weights(self, weights, strict: bool = True) -> None:
         self.model.load_weights(weights, strict=strict)
 
+    def check_images(self, input_ids: list[int], images: Any) -> None:
+        raise ValueError("the native engine runs text models only; a prompt with images needs "
+                         "a vision-language model, which the engine serves with backend 'hf' "
+                         "(engine.backend auto picks it for such a model)")
+
 
 class HFModelRunner:
     """Fallback: the transformers model recomputes each sequence from scratch every step."""
@@ -138,18 +147,35 @@ class HFModelRunner:
         self, path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
         trust_remote_code: bool = False,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        from asyncrl.models.loading import check_remote_code
+        from asyncrl.models.loading import check_remote_code, is_vision_language
 
         self.device = torch.device(device)
         check_remote_code(Path(path), trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True,
-                                                     trust_remote_code=trust_remote_code)
+        self.vision = is_vision_language(path)
+        auto = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        model = auto.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                     trust_remote_code=trust_remote_code)
         self.model = model.to(self.device).eval()
         cfg = self.model.config
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size = getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size
         self.pad_id = 0
+        # transformers >= 5.2x derives multimodal positions from it (1: an image token)
+        self.types_arg = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+
+    def check_images(self, input_ids: list[int], images: Any) -> None:
+        if not self.vision:
+            raise ValueError(f"{type(self.model).__name__} is a text-only model; a prompt with "
+                             "images needs a vision-language model")
+        cfg = self.model.config
+        merge = cfg.vision_config.spatial_merge_size ** 2
+        want = int(images.grid_thw.prod(-1).sum()) // merge
+        got = input_ids.count(cfg.image_token_id)
+        if got != want:
+            raise ValueError(f"the prompt has {got} image tokens but its images' grids need "
+                             f"{want} (one per {merge} patches): encode it with "
+                             "models/vision.py's VisionPromptEncoder")
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
@@ -160,11 +186,26 @@ class HFModelRunner:
         mask = [[0] * (width - n) + [1] * n for n in lengths]
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         attn = torch.tensor(mask, dtype=torch.long, device=self.device)
+        if self.vision:  # multimodal positions: the model derives them from the mask
+            return self.model(input_ids=ids, attention_mask=attn, use_cache=False,
+                              **self._image_kwargs(batch, ids)).logits[:, -1].float()
         positions = (attn.cumsum(-1) - 1).clamp_min(0)
         out = self.model(
             input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False
         )
         return out.logits[:, -1].float()
+
+    def _image_kwargs(self, batch: Batch, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The images of the batch's sequences, in batch order (recomputed every step: this
+        runner keeps no cache)."""
+        images = [s.images for s in batch.seqs if s.images is not None]
+        if not images:
+            return {}
+        kwargs = {"pixel_values": torch.cat([x.pixel_values for x in images]).to(self.device),
+                  "image_grid_thw": torch.cat([x.grid_thw for x in images]).to(self.device)}
+        if self.types_arg:
+            kwargs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long()
+        return kwargs
 
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
         pass  # no cache

@@ -89,6 +89,9 @@ class RemoteInferenceEngine:
         if req.gconfig.n_samples != 1:
             raise ValueError(f"n_samples={req.gconfig.n_samples} is out of range; allowed [1, 1]: "
                              "expand a group into one request per sample")
+        if req.images is not None:
+            raise ValueError(f"the {self.backend.name} backend does not send images to its "
+                             "servers yet; serve a prompt with images on the in-process engine")
         progress = Progress(req, t0=time.perf_counter())
         failures = interruptions = 0
         self._count("requests")

@@ -59,6 +59,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     sampler_state: Any = None  # the per-request torch.Generator, owned by the sampler
+    images: Any = None  # the prompt's ImageInputs (a vision-language model's runner reads them)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

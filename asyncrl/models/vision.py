@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from asyncrl.api.trajectory import ImageInputs
+from asyncrl.api.images import ImageInputs
 from asyncrl.models.chat import render_chat
 
 IMAGE_PAD = "<|image_pad|>"

@@ -118,7 +118,7 @@ class JournaledEngine:
         if progress.remaining > 0:
             more = await self._engine.agenerate(ModelRequest(
                 input_ids=list(req.input_ids) + progress.tokens, gconfig=progress.next_config(),
-                rid=req.rid))
+                rid=req.rid, images=req.images))
             progress.add(Segment(more.output_tokens, more.output_logprobs, more.output_versions,
                                  more.stop_reason), 0.0, 0.0)
         resp = progress.response()

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.api.trajectory import ImageInputs, Sample
+from asyncrl.api.images import ImageInputs
+from asyncrl.api.trajectory import Sample
 
 
 @dataclass

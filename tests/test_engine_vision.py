@@ -1,0 +1,108 @@
+"""The built-in engine serving the embedded tiny VLM (Qwen2-VL) with images in the prompt: on
+the transformers fallback runner (the compact native model is text-only), per-token logprobs
+equal the trainer's for the same samples (fp32), versions are stamped as for text, a weight
+update mid-generation is followed by the rest of each sequence, and bad requests are refused
+with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from asyncrl.api import GenerationConfig, ModelRequest, Sample
+from asyncrl.inference.engine import EngineConfig, LLMEngine
+from asyncrl.models.loading import load_causal_lm
+from asyncrl.models.presets import build_preset_model
+from asyncrl.models.tiny import build_tiny_model
+from asyncrl.models.config import TinyModelConfig
+from asyncrl.models.vision import VisionPromptEncoder
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.engine import HFTrainEngine
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    return build_preset_model("tiny-vl", tmp_path_factory.mktemp("tiny-vl"))
+
+
+def prompt(vl_dir, n: int, size=(112, 112)):
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    for k in range(n):
+        draw.ellipse((6 + 25 * k, 30, 26 + 25 * k, 50), fill=("red", "blue", "green")[k % 3])
+    return VisionPromptEncoder.from_model_dir(vl_dir).encode(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Count."}]}],
+        [img])
+
+
+def request(p, rid: str, tokens: int = 8) -> ModelRequest:
+    g = GenerationConfig(max_new_tokens=tokens, min_new_tokens=tokens, temperature=1.0,
+                         top_p=1.0, top_k=0, seed=7)
+    return ModelRequest(p.input_ids, g, rid=rid, images=p.image_inputs())
+
+
+def test_image_prompts_sample_with_the_trainers_logprobs(vl_dir):
+    engine = LLMEngine(EngineConfig(model_path=str(vl_dir)))
+    assert type(engine.runner).__name__ == "HFModelRunner" and engine.max_seq_len == 2048
+    prompts = [prompt(vl_dir, 2), prompt(vl_dir, 3, (112, 56))]
+    responses = engine.generate([request(p, f"r{i}") for i, p in enumerate(prompts)])
+    samples = []
+    for p, r in zip(prompts, responses):
+        assert len(r.output_tokens) == 8 and set(r.output_versions) == {0}
+        s = Sample.from_prompt_and_completion(p.input_ids, r.output_tokens, r.output_logprobs,
+                                              r.output_versions)
+        s.images = p.image_inputs()
+        samples.append(s)
+    trainer = HFTrainEngine(load_causal_lm(vl_dir), TrainEngineConfig(device="cpu"),
+                            trainable=False)
+    for s, lp in zip(samples, trainer.forward(samples)):
+        generated = torch.tensor(s.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(lp[generated], torch.tensor(s.logprobs)[generated],
+                                   atol=1e-4, rtol=0)
+
+
+def test_a_weight_update_mid_generation_continues_each_sequence(vl_dir):
+    engine = LLMEngine(EngineConfig(model_path=str(vl_dir)))
+    engine.add_request(request(prompt(vl_dir, 1), "mid", tokens=6))
+    for _ in range(3):
+        engine.step()
+    model = load_causal_lm(vl_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    engine.update_weights_from_state_dict(model.state_dict(), version=1)
+    done = []
+    while not done:
+        done = engine.step()
+    versions = done[0].output_versions
+    assert len(versions) == 6 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions)
+
+
+def test_requests_the_engine_cannot_serve_are_refused(vl_dir, tmp_path):
+    p = prompt(vl_dir, 2)
+    engine = LLMEngine(EngineConfig(model_path=str(vl_dir)))
+    first_pad = p.input_ids.index(103)
+    short = ModelRequest(p.input_ids[:first_pad] + p.input_ids[first_pad + 4:],
+                         images=p.image_inputs())  # 4 of its 16 image tokens dropped
+    with pytest.raises(ValueError, match="image tokens but its images' grids need 16"):
+        engine.add_request(short)
+    text = LLMEngine(EngineConfig(model_path=str(build_tiny_model(TinyModelConfig(),
+                                                                  tmp_path / "text"))))
+    with pytest.raises(ValueError, match="native engine runs text models only"):
+        text.add_request(ModelRequest([5, 6, 7], images=p.image_inputs()))
+
+
+def test_remote_backends_refuse_images_until_they_send_them(vl_dir):
+    import asyncio
+
+    from asyncrl.inference.backends import BACKENDS
+    from asyncrl.inference.config import RemoteEngineConfig
+    from asyncrl.inference.remote import RemoteInferenceEngine
+
+    p = prompt(vl_dir, 1)
+    remote = RemoteInferenceEngine(RemoteEngineConfig(addresses=["http://127.0.0.1:9"]),
+                                   BACKENDS.parse("vllm").build())
+    with pytest.raises(ValueError, match="vllm backend does not send images"):
+        asyncio.run(remote.agenerate(ModelRequest(p.input_ids, images=p.image_inputs())))
