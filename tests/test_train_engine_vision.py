@@ -100,3 +100,20 @@ def test_lora_trains_the_language_model_with_images(vl_dir, samples):
 def test_a_packed_layout_is_refused_for_images(vl_dir, samples):
     with pytest.raises(ValueError, match="attention_layout padded"):
         engine(vl_dir, attention_layout="packed").forward(samples)
+
+
+def test_a_generated_vision_token_is_read_as_text(vl_dir, samples):
+    """A sampled <|image_pad|> or <|vision_start|> is no placeholder: it is read back as id 0
+    (models/vision.py vlm_forward_kwargs), not counted against the prompt's images."""
+    base = samples[0]
+    prompt_len = base.loss_mask.index(1)
+    stray = Sample.from_prompt_and_completion(base.input_ids[:prompt_len], [103, 101, 24, 3],
+                                              [-1.0] * 4, [0] * 4)
+    stray.images = base.images
+    got = engine(vl_dir).forward([stray])[0]
+    as_text = Sample.from_prompt_and_completion(base.input_ids[:prompt_len], [0, 0, 24, 3],
+                                                [-1.0] * 4, [0] * 4)
+    as_text.images = base.images
+    want = reference_logprobs(load_causal_lm(vl_dir), as_text)
+    # the stray tokens' own logprobs are of themselves; what follows them is read as after id 0
+    torch.testing.assert_close(got[prompt_len + 2:], want[prompt_len + 2:], atol=1e-5, rtol=0)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from asyncrl.config import ConfigError
 from asyncrl.data.arithmetic import ArithmeticTaskConfig
+from asyncrl.data.counting import CountingTaskConfig
 from asyncrl.data.files import FileDatasetConfig
 from asyncrl.data.gsm8k import GSM8KConfig
 from asyncrl.data.hf import HFDatasetConfig
@@ -29,7 +30,8 @@ class TaskDataset(Protocol):
 
 
 DATASETS: Registry = Registry("dataset", default_kind="arithmetic")
-for _cls in (ArithmeticTaskConfig, GSM8KConfig, FileDatasetConfig, HFDatasetConfig):
+for _cls in (ArithmeticTaskConfig, CountingTaskConfig, GSM8KConfig, FileDatasetConfig,
+             HFDatasetConfig):
     DATASETS.register(_cls)
 
 DatasetConfig = DATASETS.field()

@@ -12,7 +12,6 @@ with one copy per tensor; incoming weights (any device) are copied into the devi
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -149,7 +148,8 @@ class HFModelRunner:
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        from asyncrl.models.loading import check_remote_code, is_vision_language
+        from asyncrl.models.config import is_vision_language
+        from asyncrl.models.loading import check_remote_code
 
         self.device = torch.device(device)
         check_remote_code(Path(path), trust_remote_code)
@@ -161,8 +161,6 @@ class HFModelRunner:
         cfg = self.model.config
         self.vocab_size = getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size
         self.pad_id = 0
-        # transformers >= 5.2x derives multimodal positions from it (1: an image token)
-        self.types_arg = "mm_token_type_ids" in inspect.signature(model.forward).parameters
 
     def check_images(self, input_ids: list[int], images: Any) -> None:
         if not self.vision:
@@ -187,7 +185,7 @@ class HFModelRunner:
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         attn = torch.tensor(mask, dtype=torch.long, device=self.device)
         if self.vision:  # multimodal positions: the model derives them from the mask
-            return self.model(input_ids=ids, attention_mask=attn, use_cache=False,
+            return self.model(attention_mask=attn, use_cache=False,
                               **self._image_kwargs(batch, ids)).logits[:, -1].float()
         positions = (attn.cumsum(-1) - 1).clamp_min(0)
         out = self.model(
@@ -195,17 +193,18 @@ class HFModelRunner:
         )
         return out.logits[:, -1].float()
 
-    def _image_kwargs(self, batch: Batch, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The images of the batch's sequences, in batch order (recomputed every step: this
-        runner keeps no cache)."""
-        images = [s.images for s in batch.seqs if s.images is not None]
-        if not images:
-            return {}
-        kwargs = {"pixel_values": torch.cat([x.pixel_values for x in images]).to(self.device),
-                  "image_grid_thw": torch.cat([x.grid_thw for x in images]).to(self.device)}
-        if self.types_arg:
-            kwargs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long()
-        return kwargs
+    def _image_kwargs(self, batch: Batch, ids: torch.Tensor) -> dict:
+        """The batch's images (recomputed every step: this runner keeps no cache) filling each
+        row's prompt image tokens; rows are left-padded, so a prompt starts at width - n."""
+        from asyncrl.models.vision import vlm_forward_kwargs
+
+        width = ids.shape[1]
+        prompt = torch.zeros_like(ids, dtype=torch.bool)
+        for row, seq in enumerate(batch.seqs):
+            start = width - seq.num_tokens
+            prompt[row, start:start + len(seq.prompt)] = True
+        return vlm_forward_kwargs(self.model, ids, prompt,
+                                  [s.images for s in batch.seqs if s.images is not None])
 
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
         pass  # no cache

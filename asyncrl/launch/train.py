@@ -250,7 +250,7 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
             check=logprob_check(cfg, group, tokenizer, eval_rows),
             adapter=adapter_spec(cfg, trainer) if lora else None))
         ctx = WorkflowContext(tokenizer, engines.engine, reward, cfg.gconfig, cfg.model,
-                              cfg.eval, context_length(cfg, trainer))
+                              cfg.eval, context_length(cfg, trainer), vision_encoder(cfg, base))
         workflow = the_workflow(job, ctx)
         evaluator = evaluator_for(job.eval_workflow, workflow, ctx, cfg.eval.concurrency)
         rollout_cfg = cfg.rollout.model_copy(
@@ -300,6 +300,16 @@ def context_length(cfg: TrainRunConfig, trainer: Any) -> int | None:
     model = getattr(trainer.model.config, "max_position_embeddings", None)
     engine = cfg.inference.engine.max_seq_len if cfg.inference.mode == "inprocess" else None
     return min(n for n in (model, engine) if n is not None) if model or engine else None
+
+
+def vision_encoder(cfg: TrainRunConfig, base: Path) -> Any:
+    """A vision-language model's prompt encoder (its image processor); None for a text model."""
+    from asyncrl.models.config import is_vision_language
+    from asyncrl.models.vision import VisionPromptEncoder
+
+    if not is_vision_language(base):
+        return None
+    return VisionPromptEncoder.from_model_dir(base, cfg.model.trust_remote_code)
 
 
 def logprob_check(cfg: TrainRunConfig, group: TrainerGroup, tokenizer: Any,

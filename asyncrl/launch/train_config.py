@@ -207,12 +207,31 @@ class TrainRunConfig(Config):
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> TrainRunConfig:
         self._check_lora()
+        self._check_images()
         if self.gconfig.n_samples < 2 and self.actor.advantage.estimator in ("grpo", "rloo",
                                                                               "drgrpo"):
             raise ValueError(f"gconfig.n_samples={self.gconfig.n_samples} is out of range for "
                              f"advantage.estimator={self.actor.advantage.estimator!r}: a group "
                              "baseline needs allowed [2, inf)")
         return self
+
+    def _check_images(self) -> None:
+        """A dataset whose rows carry images needs a vision-language model and the paths that
+        carry images today: the rlvr workflow on the in-process engine."""
+        if not getattr(type(self.data), "has_images", False):
+            return
+        kind = f"data.kind={self.data.kind!r} has images"
+        if self.model.is_vision_language() is False:
+            what = "the embedded tiny model" if self.model.path is None else self.model.path
+            raise ValueError(f"{kind}, but model.path ({what}) is a text-only model; set it to a "
+                             "vision-language model (e.g. `asyncrl build-model OUT --preset "
+                             "tiny-vl`)")
+        if self.workflow.kind != "rlvr":
+            raise ValueError(f"{kind}: workflow.kind={self.workflow.kind!r} does not pass images "
+                             "yet; allowed: rlvr")
+        if self.inference.mode != "inprocess":
+            raise ValueError(f"{kind}: inference.mode={self.inference.mode!r} does not send "
+                             "images yet; allowed: inprocess")
 
     def _check_lora(self) -> None:
         """`train.lora` pushes adapters: in memory, HTTP buckets or a PEFT directory, to servers

@@ -45,6 +45,7 @@ class WorkflowContext:
     chat: ChatOptions  # the model's template variables and parsers
     eval: EvalConfig
     context_length: int | None = None  # the longest sequence the engines take
+    vision: Any = None  # a vision-language model's VisionPromptEncoder (rows with images)
 
     def injectable(self) -> dict[str, Any]:
         """What a custom workflow's factory may ask for by parameter name."""
@@ -73,7 +74,7 @@ class RLVRWorkflowConfig(Config):
 
         return RLVRWorkflow(_needs_reward(ctx, self.kind), ctx.gconfig, ctx.tokenizer,
                             eval_cfg=ctx.eval, chat=ctx.chat,
-                            reward_sees_reasoning=self.reward_sees_reasoning)
+                            reward_sees_reasoning=self.reward_sees_reasoning, vision=ctx.vision)
 
 
 class MultiTurnWorkflowConfig(MultiTurnConfig):

@@ -4,7 +4,9 @@ transformers: a run config loads without importing what these configure."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Literal
 
 import pydantic
@@ -34,6 +36,16 @@ def parse_shard_size(value: int | str, field: str = "max_shard_size") -> int:
     return size
 
 
+def is_vision_language(path: str | Path) -> bool:
+    """Whether the model directory's config.json describes a vision-language model (it has a
+    `vision_config`, as Qwen2-VL's); False when there is no such file."""
+    try:
+        return "vision_config" in json.loads((Path(path).expanduser() / "config.json")
+                                             .read_text())
+    except (OSError, ValueError):
+        return False
+
+
 class ModelConfig(ChatOptions):
     """Which policy model to load; `path=None` means the embedded tiny model. Its chat options
     (chat_template_kwargs, reasoning_parser, tool_parser: models/chat_options.py) apply to every
@@ -54,6 +66,14 @@ class ModelConfig(ChatOptions):
             raise ValueError(f"revision={self.revision!r} applies to a hub id (org/name) only, "
                              f"and path={self.path!r} is not one")
         return self
+
+    def is_vision_language(self) -> bool | None:
+        """Whether `path` is a vision-language model: None when that cannot be told here (a
+        hub id resolved at launch); the embedded tiny model is text-only."""
+        if self.path is None:
+            return False
+        local = Path(self.path).expanduser()
+        return is_vision_language(local) if local.is_dir() else None
 
 
 class TinyModelConfig(Config):

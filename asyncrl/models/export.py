@@ -148,14 +148,15 @@ def save_weights_dir(weights: Mapping[str, torch.Tensor], hf_config: Any, out_di
 def _weightless_model(config: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """The model class of `config` on the meta device, in the weights' dtype (which
     save_pretrained writes into config.json): its save_pretrained, none of its memory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    auto = (AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None
+            else AutoModelForCausalLM)  # a vision-language model's class, as loading.py loads
     # A config with an auto_map is one whose code the trainer already runs (it could not have
     # loaded the model otherwise); save_pretrained copies that code next to the weights.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=bool(getattr(config, "auto_map", None)))
+        model = auto.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
     return model.to(dtype)
 
 

@@ -27,7 +27,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
 from asyncrl.errors import UserError
 from asyncrl.models.hf_quiet import quiet_hf_progress
 from asyncrl.models.tiny import DTYPES, build_tiny_model
-from asyncrl.models.config import ModelConfig, TinyModelConfig
+from asyncrl.models.config import ModelConfig, TinyModelConfig, is_vision_language
 
 # Part of the cache key: bump when the builder's output changes for the same config (tokenizer,
 # chat template, file layout), so stale cached models are not silently reused.
@@ -151,14 +151,6 @@ def load_causal_lm(path: str | Path, dtype: str = "float32",
     except OSError as err:  # e.g. config.json present but no weight files
         raise ModelLoadError(f"model dir {p}: cannot load model weights: {err}") from err
     return model.eval()
-
-
-def is_vision_language(path: str | Path) -> bool:
-    """Whether the model directory's config.json describes a vision-language model."""
-    try:
-        return "vision_config" in json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
 
 
 def cache_root() -> Path:

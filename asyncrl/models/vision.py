@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import inspect
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from asyncrl.api.images import ImageInputs
-from asyncrl.models.chat import render_chat
+from asyncrl.models.chat import encode_chat_prompt, render_chat
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -157,3 +158,50 @@ class VisionPromptEncoder:
                                        for g, rest in zip(grid, pieces[1:]))
         return ImagePrompt(self.tokenizer.encode(expanded, add_special_tokens=False),
                            processed["pixel_values"], grid)
+
+
+def row_prompt(tokenizer: Any, vision: VisionPromptEncoder | None, row: Mapping[str, Any],
+               template_kwargs: Mapping[str, Any] | None = None
+               ) -> tuple[list[int], ImageInputs | None]:
+    """A data row's prompt ids and images (`row["messages"]`, `row.get("images")`): through
+    `vision` for a vision-language model, else as text; a row with images and no `vision` is a
+    ValueError (a text-only model would silently drop them)."""
+    if vision is None:
+        if row.get("images") or message_has_images(row["messages"]):
+            raise ValueError(f"row id={row.get('id')!r} has images but the model is text-only")
+        return encode_chat_prompt(tokenizer, row["messages"], template_kwargs=template_kwargs), None
+    prompt = vision.encode(row["messages"], row.get("images") or (), template_kwargs)
+    return prompt.input_ids, prompt.image_inputs()
+
+
+def message_has_images(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(
+        isinstance(p, Mapping) and p.get("type") in ("image", "image_url") for p in m["content"])
+        for m in messages)
+
+
+def vlm_forward_kwargs(model: Any, ids: torch.Tensor, prompt: torch.Tensor,
+                       images: Sequence[ImageInputs]) -> dict[str, Any]:
+    """The inputs of a Qwen2-VL-style forward over rows `ids` [B, L]; `prompt` [B, L] (bool)
+    marks the tokens that were not generated, whose image tokens `images` fill, in order.
+
+    A generated token that happens to be a vision token id (<|image_pad|>, <|video_pad|>,
+    <|vision_start|>, <|vision_end|>: a trained VLM rarely samples one, a random one does) is read
+    back as id 0: transformers locates placeholders and multimodal positions by these ids and
+    would count it ("Image features and image tokens do not match"). The in-process engine and
+    the trainer both read it so, so their logprobs agree; vLLM, whose placeholders come from the
+    prompt's processing, reads such a token as itself, so the two differ after one."""
+    cfg = model.config
+    special = torch.tensor([cfg.image_token_id, cfg.video_token_id,
+                            cfg.vision_start_token_id, getattr(cfg, "vision_end_token_id", -1)],
+                           device=ids.device)
+    kwargs: dict[str, Any] = {"input_ids": ids.masked_fill(torch.isin(ids, special) & ~prompt, 0)}
+    if images:
+        device = ids.device
+        kwargs["pixel_values"] = torch.cat([x.pixel_values for x in images]).to(device)
+        kwargs["image_grid_thw"] = torch.cat([x.grid_thw for x in images]).to(device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "mm_token_type_ids" in inspect.signature(base.forward).parameters:
+        # transformers >= 5.2x derives multimodal positions from it (1: an image token)
+        kwargs["mm_token_type_ids"] = (prompt & (ids == cfg.image_token_id)).long()
+    return kwargs

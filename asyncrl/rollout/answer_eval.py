@@ -133,6 +133,7 @@ async def evaluate(
     on_progress: Callable[[int, int], None] | None = None,
     chat: ChatOptions | None = None,
     reward_sees_reasoning: bool = False,
+    vision: Any = None,
 ) -> EvalResult:
     """Score every row in `rows` (callers pick the subset, e.g. `eval_rows()[:cfg.size]`).
 
@@ -142,9 +143,11 @@ async def evaluate(
     `on_progress(done, total)` is called each time a problem's last request finishes.
     `chat` (the model's ChatOptions): template variables for the prompts and, with a reasoning
     parser, the answer after the reasoning is what the reward reads (as in training).
+    `vision`: a vision-language model's VisionPromptEncoder (rows with images).
     """
-    from asyncrl.models.chat import encode_chat_prompt, stop_at_eos  # asyncrl.models: torch
+    from asyncrl.models.chat import stop_at_eos  # asyncrl.models: torch
     from asyncrl.models.chat_options import ChatOptions
+    from asyncrl.models.vision import row_prompt
 
     chat = chat or ChatOptions()
     kwargs = chat.template_kwargs()
@@ -153,8 +156,7 @@ async def evaluate(
         raise ValueError("evaluate: rows is empty; need at least one problem")
     start = time.perf_counter()
     n = cfg.samples_per_problem
-    prompts = [encode_chat_prompt(tokenizer, row["messages"], template_kwargs=kwargs)
-               for row in rows]
+    prompts, images = zip(*(row_prompt(tokenizer, vision, row, kwargs) for row in rows))
     greedy = stop_at_eos(GenerationConfig(greedy=True, max_new_tokens=cfg.max_new_tokens),
                          tokenizer)
     sampled = stop_at_eos(GenerationConfig(temperature=cfg.temperature,
@@ -170,7 +172,8 @@ async def evaluate(
         row_id = rows[i].get("id", i)
         try:
             resp = await engine.agenerate(ModelRequest(prompts[i], gconfig,
-                                                       metadata={"eval_id": row_id}))
+                                                       metadata={"eval_id": row_id},
+                                                       images=images[i]))
         except ValueError as err:  # the engine refused this prompt (too long, bad ids)
             raise ValueError(f"eval problem {row_id}: {err}") from err
         text = tokenizer.decode(resp.output_tokens, skip_special_tokens=True)

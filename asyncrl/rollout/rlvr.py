@@ -16,8 +16,9 @@ from typing import Any
 
 from asyncrl.api import (EvalReport, GenerationConfig, InferenceEngine, ModelRequest, Sample,
                          Trajectory)
-from asyncrl.models.chat import encode_chat_prompt, stop_at_eos
+from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.chat_options import ChatOptions
+from asyncrl.models.vision import VisionPromptEncoder, row_prompt
 from asyncrl.reward.call import RewardFn, call_rewards
 from asyncrl.rollout.answer_eval import EvalConfig, evaluate
 
@@ -25,24 +26,28 @@ from asyncrl.rollout.answer_eval import EvalConfig, evaluate
 class RLVRWorkflow:
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
                  eval_cfg: EvalConfig | None = None, chat: ChatOptions | None = None,
-                 reward_sees_reasoning: bool = False) -> None:
-        self.reward_fn, self.tokenizer = reward_fn, tokenizer
+                 reward_sees_reasoning: bool = False,
+                 vision: VisionPromptEncoder | None = None) -> None:
+        """`vision`: a vision-language model's prompt encoder (rows with images)."""
+        self.reward_fn, self.tokenizer, self.vision = reward_fn, tokenizer, vision
         self.gconfig = stop_at_eos(gconfig, tokenizer)
         self.eval_cfg = eval_cfg or EvalConfig()
         self.chat, self.reward_sees_reasoning = chat or ChatOptions(), reward_sees_reasoning
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
         result = await evaluate(engine, self.tokenizer, rows, self.reward_fn, self.eval_cfg,
-                                chat=self.chat, reward_sees_reasoning=self.reward_sees_reasoning)
+                                chat=self.chat, reward_sees_reasoning=self.reward_sees_reasoning,
+                                vision=self.vision)
         return result.report()
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
         kwargs = self.chat.template_kwargs()
-        prompt = encode_chat_prompt(self.tokenizer, data["messages"], template_kwargs=kwargs)
+        prompt, images = row_prompt(self.tokenizer, self.vision, data, kwargs)
         one = self.gconfig.replace(n_samples=1)
         seeds = [None if one.seed is None else one.seed + i for i in range(self.gconfig.n_samples)]
         responses = await asyncio.gather(*(
-            engine.agenerate(ModelRequest(input_ids=prompt, gconfig=one.replace(seed=s)))
+            engine.agenerate(ModelRequest(input_ids=prompt, gconfig=one.replace(seed=s),
+                                          images=images))
             for s in seeds))
         texts = [self.tokenizer.decode(r.output_tokens, skip_special_tokens=True)
                  for r in responses]
@@ -57,4 +62,5 @@ class RLVRWorkflow:
                 prompt, resp.output_tokens, resp.output_logprobs, resp.output_versions,
                 reward=reward, stop_reason=resp.stop_reason,
                 metadata={"completion_text": text}))
+            samples[-1].images = images
         return Trajectory(samples, group_id=str(data.get("id", "")))

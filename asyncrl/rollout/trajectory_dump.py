@@ -44,6 +44,8 @@ class TrajectoryDump:
                 "input_ids": s.input_ids, "loss_mask": s.loss_mask,
                 **{k: v for k, v in s.metadata.items() if k in ("prompt_text", "completion_text")},
             }
+            if s.images is not None:  # which images the prompt held (their content hash)
+                record["image_digest"] = s.images.digest
             f.write(json.dumps(record) + "\n")
         f.flush()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import logging
 import pickle
 import random
@@ -234,28 +233,27 @@ class HFTrainEngine:
                 if shared is not None:
                     return self._shared_prefix_outputs(mb, shared)
                 ids, mask, index = padded_layout(mb)
-                out = self.head.raw(self.model(input_ids=ids, attention_mask=mask,
-                                               use_cache=False, **self._image_kwargs(mb, ids)))
+                out = self.head.raw(self.model(attention_mask=mask, use_cache=False,
+                                               **self._image_kwargs(mb, ids, index)))
                 return out.flatten(0, 1)[index], None
             # No attention_mask and no cache: transformers then reads sample boundaries off the
             # restarting position_ids and builds a block-diagonal causal mask.
             out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
             return self.head.raw(out)[0], None
 
-    def _image_kwargs(self, mb: PackedMicroBatch, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The micro-batch's images for a vision-language model's forward (rows in packing
-        order): pixel patches, grids, and which tokens are image tokens."""
+    def _image_kwargs(self, mb: PackedMicroBatch, ids: torch.Tensor, index: torch.Tensor
+                      ) -> dict[str, Any]:
+        """A vision-language model's inputs for the padded rows `ids` of `mb` (`index`: each
+        packed token's place in them): the images of its samples, in packing order, fill the
+        image tokens that were not generated (versions < 0)."""
         if not mb.has_images:
-            return {}
-        images = [x for x in mb.images if x is not None]
-        kwargs = {"pixel_values": torch.cat([x.pixel_values for x in images]).to(self.device),
-                  "image_grid_thw": torch.cat([x.grid_thw for x in images]).to(self.device)}
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        if "mm_token_type_ids" in inspect.signature(base.forward).parameters:
-            # transformers >= 5.2x computes multimodal positions from it (1: image token)
-            image_id = self.model.config.image_token_id
-            kwargs["mm_token_type_ids"] = (ids == image_id).long()
-        return kwargs
+            return {"input_ids": ids}
+        from asyncrl.models.vision import vlm_forward_kwargs
+
+        prompt = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
+        prompt[index] = mb.versions < 0
+        return vlm_forward_kwargs(self.model, ids, prompt.view_as(ids),
+                                  [x for x in mb.images if x is not None])
 
     def _shared_prefix_outputs(self, mb: PackedMicroBatch, lay: SharedPrefixLayout
                                ) -> tuple[torch.Tensor, torch.Tensor]:
