@@ -54,3 +54,44 @@ def test_image_data_is_refused_with_what_cannot_take_images(tmp_path):
         TrainRunConfig.from_dict({**base, "workflow": {"kind": "multi_turn"}})
     with pytest.raises(ConfigError, match="inference.mode='local' does not send images"):
         TrainRunConfig.from_dict({**base, "inference": {"mode": "local"}})
+
+
+def test_clevr_count_layout_loads_from_the_hub_cache_with_its_images(tmp_path, monkeypatch):
+    """CLEVR-Count-70K's layout (images: a list of Image, problem with an <image> mark, answer)
+    in a hub cache laid out as huggingface_hub does, read offline by `kind: hf`; the rows encode
+    for the tiny VLM with their images."""
+    import datasets
+    from PIL import Image
+
+    from asyncrl.models.presets import build_preset_model
+    from asyncrl.models.vision import VisionPromptEncoder, load_image
+
+    snap = tmp_path / "hub" / "datasets--org--clevr_count" / "snapshots" / ("c" * 40)
+    (snap / "data").mkdir(parents=True)
+    features = datasets.Features({"images": datasets.Sequence(datasets.Image()),
+                                  "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    colours = ["red", "green", "blue", "gray"]
+    for split, n in (("train", 6), ("test", 2)):
+        table = datasets.Dataset.from_dict({
+            "images": [[Image.new("RGB", (64 + 8 * i, 64), colours[i % 4])] for i in range(n)],
+            "problem": ["<image>How many items are there in the image?"] * n,
+            "answer": [str(i + 1) for i in range(n)]}, features=features)
+        table.to_parquet(str(snap / "data" / f"{split}-00000-of-00001.parquet"))
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("c" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    rows = parse_dataset_config({"kind": "hf", "name": "org/clevr_count", "split": "train",
+                                 "eval_split": "test", "question_field": "problem"}).build()
+    train = rows.train_rows()
+    assert [r["answer"] for r in train] == ["1", "2", "3", "4", "5", "6"]
+    first = train[0]
+    assert first["question"] == "How many items are there in the image?"
+    assert first["messages"] == [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "How many items are there in the image?"}]}]
+    # the Image column's values as the table holds them ({"bytes", "path"}), decoded on use
+    assert len(first["images"]) == 1 and load_image(first["images"][0]).size == (64, 64)
+    encoder = VisionPromptEncoder.from_model_dir(build_preset_model("tiny-vl", tmp_path / "vl"))
+    prompt = encoder.encode(first["messages"], first["images"])
+    assert prompt.num_images == 1 and prompt.input_ids.count(encoder.pad_id) == 4  # 56 px: 2x2

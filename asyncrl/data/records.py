@@ -12,6 +12,12 @@ means the same thing whichever way it was loaded:
 - `system_prompt` is prepended as a system message unless the prompt already starts with one
   (the row's own system message is the more specific).
 
+Images: a record's `images_field` column (default `images`; a list of images or one: PIL images
+as `datasets` decodes an Image column, paths, bytes, `{"bytes", "path"}`) goes to the row's
+`images`, and the built prompt's user turn gets one image part per image: where the question
+marks `<image>` (CLEVR-Count-70K's `problem`, LLaMA-Factory's format), else before the text.
+A record with its own `messages` places its image parts itself.
+
 An answer holding "#### N" is split like GSM8K (the HF gsm8k files have that shape); other answers
 are kept as strings. Columns other than the mapped ones pass through as extras; among them
 `conversation` (a whole OpenAI message list, which SFT trains on instead of `messages` +
@@ -30,7 +36,8 @@ from asyncrl.data.gsm8k import describe, normalise_answer, split_marked_answer
 from asyncrl.data.split import (DatasetError, Row, ensure_ids, fill_prompt, make_row,
                                 require_placeholder)
 
-RESERVED = ("id", "question", "answer", "messages", "solution")
+RESERVED = ("id", "question", "answer", "messages", "solution", "images")
+IMAGE_MARK = "<image>"
 MESSAGES = "messages"
 _MISSING = object()
 
@@ -46,6 +53,7 @@ class RecordFields(Config):
     prompt_field: str = "prompt"
     system_prompt: str | None = None  # prepended as a system message to every prompt
     prompt_template: str = "{question}"  # for rows whose prompt is built from the question
+    images_field: str = "images"  # a record's images (a list, or one); see the module docstring
 
     @pydantic.field_validator("prompt_template")
     @classmethod
@@ -170,13 +178,39 @@ def to_row(record: dict[str, Any], cfg: RecordFields, where: str) -> Row:
         if value is _MISSING:
             raise missing_field(present, cfg.id_field, where)
         row_id = str(typed(value, cfg.id_field, (str, int), where))
-    row = make_row(row_id, question, answer, fill_prompt(cfg.prompt_template, "{question}",
-                                                         question), **extra)
+    images = lookup(present, cfg.images_field)
+    images = [] if images is _MISSING else images if isinstance(images, list) else [images]
+    prompt = fill_prompt(cfg.prompt_template, "{question}", question)
+    row = make_row(row_id, question.replace(IMAGE_MARK, "").strip() if images else question,
+                   answer, prompt, **{k: v for k, v in extra.items() if k != cfg.images_field})
+    if images:
+        row["images"] = images
+        if messages is None:
+            row["messages"] = [{"role": "user", "content": image_content(prompt, len(images),
+                                                                         where)}]
     if messages is not None:
         row["messages"] = messages
     if cfg.system_prompt is not None and row["messages"][0]["role"] != "system":
         row["messages"] = [{"role": "system", "content": cfg.system_prompt}, *row["messages"]]
     return row
+
+
+def image_content(text: str, count: int, where: str) -> list[dict[str, Any]]:
+    """A user turn's parts: `count` images where `text` marks <image> (else first), then text."""
+    marks = text.count(IMAGE_MARK)
+    if marks not in (0, count):
+        raise DatasetError(f"{where}: the question marks {IMAGE_MARK} {marks} times but the "
+                           f"record has {count} images")
+    pieces = text.split(IMAGE_MARK) if marks else ["", text]
+    parts: list[dict[str, Any]] = []
+    for i, piece in enumerate(pieces):
+        if i:
+            parts.append({"type": "image"})
+        if piece.strip():
+            parts.append({"type": "text", "text": piece.strip()})
+    if not marks:
+        parts[:0] = [{"type": "image"}] * (count - 1)
+    return parts
 
 
 def records_to_rows(records: Iterable[dict[str, Any]], cfg: RecordFields,
