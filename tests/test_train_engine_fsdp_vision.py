@@ -58,6 +58,7 @@ def _worker(model_dir: str, out: str) -> None:
     result = one_step(engine, model_dir)
     if engine.parallel.rank == 0:
         torch.save(result, out)
+    torch.distributed.barrier()  # both ranks done before the group goes away
     torch.distributed.destroy_process_group()
 
 
