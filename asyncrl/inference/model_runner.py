@@ -146,17 +146,15 @@ class HFModelRunner:
         self, path: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu",
         trust_remote_code: bool = False,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
         from asyncrl.models.config import is_vision_language
+        from asyncrl.models.export import policy_model_class
         from asyncrl.models.loading import check_remote_code
 
         self.device = torch.device(device)
         check_remote_code(Path(path), trust_remote_code)
         self.vision = is_vision_language(path)
-        auto = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
-        model = auto.from_pretrained(str(path), dtype=dtype, local_files_only=True,
-                                     trust_remote_code=trust_remote_code)
+        model = policy_model_class(self.vision).from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code)
         self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.vocab_size = getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size
@@ -166,14 +164,14 @@ class HFModelRunner:
         if not self.vision:
             raise ValueError(f"{type(self.model).__name__} is a text-only model; a prompt with "
                              "images needs a vision-language model")
+        from asyncrl.models.vision import image_tokens
+
         cfg = self.model.config
-        merge = cfg.vision_config.spatial_merge_size ** 2
-        want = int(images.grid_thw.prod(-1).sum()) // merge
+        want = sum(image_tokens(images.grid_thw, cfg.vision_config.spatial_merge_size))
         got = input_ids.count(cfg.image_token_id)
         if got != want:
             raise ValueError(f"the prompt has {got} image tokens but its images' grids need "
-                             f"{want} (one per {merge} patches): encode it with "
-                             "models/vision.py's VisionPromptEncoder")
+                             f"{want}: encode it with models/vision.py's VisionPromptEncoder")
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:

@@ -145,14 +145,19 @@ def save_weights_dir(weights: Mapping[str, torch.Tensor], hf_config: Any, out_di
     return out
 
 
+def policy_model_class(vision_language: bool) -> Any:
+    """transformers' auto class a policy loads with: image-text-to-text for a vision-language
+    model (it generates text too), else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+
+
 def _weightless_model(config: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """The model class of `config` on the meta device, in the weights' dtype (which
     save_pretrained writes into config.json): its save_pretrained, none of its memory."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
-    auto = (AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None
-            else AutoModelForCausalLM)  # a vision-language model's class, as loading.py loads
+    auto = policy_model_class(getattr(config, "vision_config", None) is not None)
     # A config with an auto_map is one whose code the trainer already runs (it could not have
     # loaded the model otherwise); save_pretrained copies that code next to the weights.
     with torch.device("meta"):

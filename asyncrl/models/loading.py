@@ -21,10 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
+from transformers import (AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerFast)
 
 from asyncrl.errors import UserError
+from asyncrl.models.export import policy_model_class
 from asyncrl.models.hf_quiet import quiet_hf_progress
 from asyncrl.models.tiny import DTYPES, build_tiny_model
 from asyncrl.models.config import ModelConfig, TinyModelConfig, is_vision_language
@@ -142,10 +143,7 @@ def load_causal_lm(path: str | Path, dtype: str = "float32",
     check_remote_code(p, trust_remote_code)
     try:
         with quiet_hf_progress():
-            auto = AutoModelForCausalLM
-            if is_vision_language(p):
-                from transformers import AutoModelForImageTextToText as auto
-            model = auto.from_pretrained(
+            model = policy_model_class(is_vision_language(p)).from_pretrained(
                 p, dtype=DTYPES[dtype], local_files_only=True, trust_remote_code=trust_remote_code
             )
     except OSError as err:  # e.g. config.json present but no weight files

@@ -53,6 +53,12 @@ class ImagePrompt:
         return ImageInputs(self.pixel_values, self.image_grid_thw, digest)
 
 
+def image_tokens(grid_thw: torch.Tensor, merge_size: int) -> list[int]:
+    """How many <|image_pad|> each image of `grid_thw` [images, 3] takes: one per merged
+    merge_size x merge_size patch block."""
+    return [int(g.prod()) // merge_size ** 2 for g in grid_thw]
+
+
 def load_image(value: Any) -> Image.Image:
     """An RGB PIL image from any of the forms the module docstring lists (ValueError otherwise,
     naming the form)."""
@@ -154,8 +160,8 @@ class VisionPromptEncoder:
         processed = self.image_processor(images=pictures, return_tensors="pt")
         grid = processed["image_grid_thw"]
         pieces = text.split(IMAGE_PAD)
-        expanded = pieces[0] + "".join(IMAGE_PAD * (int(g.prod()) // self.merge ** 2) + rest
-                                       for g, rest in zip(grid, pieces[1:]))
+        expanded = pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in
+                                       zip(image_tokens(grid, self.merge), pieces[1:]))
         return ImagePrompt(self.tokenizer.encode(expanded, add_special_tokens=False),
                            processed["pixel_values"], grid)
 

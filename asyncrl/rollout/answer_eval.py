@@ -125,15 +125,9 @@ def _sample_seed(base: int, problem: int, sample: int, n: int) -> int:
 
 
 async def evaluate(
-    engine: InferenceEngine,
-    tokenizer: Any,
-    rows: Sequence[dict[str, Any]],
-    reward_fn: RewardFn,
-    cfg: EvalConfig,
-    on_progress: Callable[[int, int], None] | None = None,
-    chat: ChatOptions | None = None,
-    reward_sees_reasoning: bool = False,
-    vision: Any = None,
+    engine: InferenceEngine, tokenizer: Any, rows: Sequence[dict[str, Any]], reward_fn: RewardFn,
+    cfg: EvalConfig, on_progress: Callable[[int, int], None] | None = None,
+    chat: ChatOptions | None = None, reward_sees_reasoning: bool = False, vision: Any = None,
 ) -> EvalResult:
     """Score every row in `rows` (callers pick the subset, e.g. `eval_rows()[:cfg.size]`).
 
