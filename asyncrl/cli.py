@@ -225,7 +225,7 @@ def _add_eval_parser(sub: Any) -> None:
     ev.add_argument("--limit", type=int, default=None, metavar="N",
                     help="score only the first N rows")
     ev.add_argument("--reward", default="exact",
-                    help="exact | digits | math | code | package.module:function | "
+                    help="exact | digits | clevr_count_70k | math | code | package.module:function | "
                          "trl:package.module:function | a YAML file or inline mapping "
                          "('{kind: judge, base_url: ..., model: ...}')")
     ev.add_argument("--json", default=None, metavar="OUT",

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.reward import exact_answer_reward, extract_final_answer
+from asyncrl.reward.exact import count_answer_reward
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -74,3 +75,22 @@ def test_digit_match_reward_partial_credit():
     assert digit_match_reward("#### Paris", "Paris") == 1.0
     assert digit_match_reward("#### Rome", "Paris") == 0.0
     assert digit_match_reward("165", "167", partial_weight=0.0) == 0.0
+
+
+@pytest.mark.parametrize("response,answer,reward", [
+    ("There are [3] objects.", "3", 1.0),
+    ("[2] ... no, [3]", "3", 1.0),   # the last bracketed number
+    ("[2] or 3", "3", 0.0),          # a bracketed answer wins over a later bare number
+    ("3", "3", 1.0),                 # no brackets: the final number
+    ("3.0", "3", 1.0),
+    ("none", "3", 0.0),
+])
+def test_count_answer_reward_reads_the_bracketed_count(response, answer, reward):
+    assert count_answer_reward(response, answer) == reward
+
+
+def test_clevr_count_70k_is_a_reward_by_name():
+    from asyncrl.reward.config import open_reward
+
+    with open_reward("clevr_count_70k") as reward:
+        assert reward("I count [4].", {"answer": "4"}) == 1.0

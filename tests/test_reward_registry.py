@@ -145,7 +145,7 @@ def test_code_reward_by_name_reads_apps_style_input_output():
 # ---- specs -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec,words", [
-    ("nope", "unknown; allowed: exact, digits, math, function, trl, code, judge"),
+    ("nope", "unknown; allowed: exact, digits, clevr_count_70k, math, function, trl, code, judge"),
     ("judge", "judge needs exactly one of base_url .* or model_path"),
     ({"kind": "judge", "base_url": "http://x/v1", "model": "m",
       "template": "{qestion} {completion}"},

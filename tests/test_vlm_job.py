@@ -11,8 +11,14 @@ import json
 import pytest
 from test_train_loop import metrics, small_config
 
+from PIL import Image
+
 from asyncrl import Trainer
+from asyncrl.launch.sft import run_sft_job
+from asyncrl.launch.sft_config import SFTRunConfig
+from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.models.presets import build_preset_model
+from asyncrl.models.vision import VisionPromptEncoder
 
 
 @pytest.fixture(scope="module")
@@ -36,5 +42,36 @@ def test_a_vlm_trains_on_images_and_resumes(vl_dir, tmp_path):
               for line in f.read_text().splitlines()]
     assert dumped and all(d["answer"].isdigit() and len(d["image_digest"]) == 16 for d in dumped)
     assert (run / "checkpoints" / "latest").exists()
+    # the checkpoint's policy loads as the base did: with its image processor
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "policy" / "preprocessor_config.json").is_file()
+    VisionPromptEncoder.from_model_dir(latest / "policy")
+    # the evaluations, drawn: the eval rows' scenes with the model's answers
+    for name in ("eval_grid_initial.png", "eval_grid.png"):
+        with Image.open(run / name) as grid:
+            assert grid.size[0] == 4 * 160 and grid.size[1] > 2 * 160
     resumed = Trainer(counting_config(vl_dir, run, total_steps=4)).train(resume=True)
     assert resumed.steps == 4
+
+
+def test_the_warm_start_trains_the_embedded_vlm_on_images(tmp_path):
+    """`tiny.arch: qwen2_vl` builds the embedded VLM; SFT encodes each row's image into its
+    sample, trains, evaluates greedily with the images and saves a directory that loads with its
+    image processor."""
+    cfg = SFTRunConfig.from_dict({
+        "tiny": {"arch": "qwen2_vl"},
+        "data": {"kind": "counting", "num_train": 16, "num_eval": 4, "max_objects": 3},
+        "sft": {"steps": 2, "batch_size": 4, "eval_size": 4, "eval_max_new_tokens": 2},
+        "output_dir": str(tmp_path / "sft")})
+    result = run_sft_job(cfg)
+    assert result.steps == 2 and result.eval_size == 4 and 0 <= result.eval_accuracy <= 1
+    encoder = VisionPromptEncoder.from_model_dir(result.model_dir)
+    assert encoder.tokenizer.convert_tokens_to_ids("<|image_pad|>") == encoder.pad_id
+    assert run_sft_job(cfg).cached
+
+
+def test_image_data_with_a_text_model_is_refused_when_the_config_loads():
+    with pytest.raises(ValueError, match="tiny.arch='qwen2'.*text-only.*qwen2_vl"):
+        SFTRunConfig.from_dict({"data": {"kind": "counting"}})
+    with pytest.raises(ValueError, match="warm_start.tiny.arch='qwen2'.*text-only"):
+        TrainRunConfig.from_dict({"data": {"kind": "counting"}})

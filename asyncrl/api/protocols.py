@@ -121,6 +121,9 @@ class EvalReport:
     name: str = "reward"  # what `score` is, for the console: "greedy accuracy", "agent reward"
     metrics: dict[str, float] = field(default_factory=dict)
     detail: str = ""  # the rest of the console line, e.g. ", pass@8 61.2%"
+    # per row id, the greedy answer and its reward, where the evaluator has them: the run shows
+    # a few (an image grid of the eval rows with images)
+    answers: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -66,11 +66,13 @@ class LoopState:
 @dataclass(frozen=True)
 class PolicyExport:
     """What `policy/` is written from: the policy engine (its full weights are gathered), the
-    tokenizer, and the largest safetensors file."""
+    tokenizer, the largest safetensors file, and the base model directory whose processor files
+    (a vision-language model's image processor) are copied along."""
 
     engine: Any  # train.engine.HFTrainEngine
     tokenizer: Any
     shard_size: int | str = DEFAULT_SHARD_SIZE
+    base: Path | None = None
 
 
 class RunCheckpointer:
@@ -120,7 +122,8 @@ class RunCheckpointer:
         if writer:
             save_weights_dir(weights, engine.model.config, tmp / POLICY, self.export.tokenizer,
                              generation_config=getattr(engine.model, "generation_config", None),
-                             max_shard_size=self.export.shard_size)
+                             max_shard_size=self.export.shard_size,
+                             processor_from=self.export.base)
         del weights  # under FSDP rank 0's gathered copy: gone before the state is saved
         if engine.lora is not None:  # the adapter, PEFT's layout
             from asyncrl.models.lora import write_adapter_dir

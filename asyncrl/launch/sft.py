@@ -30,7 +30,6 @@ from rich.progress import (
 
 from asyncrl.launch.sft_config import SFTRunConfig
 from asyncrl.launch.trainer_group import parallelism
-from asyncrl.models.chat import encode_chat_prompt
 from asyncrl.models.loading import (
     TINY_BUILD_VERSION,
     cache_root,
@@ -38,7 +37,8 @@ from asyncrl.models.loading import (
     load_tokenizer,
     resolve_model_dir,
 )
-from asyncrl.models.tiny import save_model_dir
+from asyncrl.models.export import save_model_dir
+from asyncrl.models.vision import VisionPromptEncoder, row_prompt, vision_encoder
 from asyncrl.reward.exact import exact_answer_reward
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.hf_generate import hf_greedy_generate
@@ -88,19 +88,24 @@ def output_dir_for(cfg: SFTRunConfig) -> Path:
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int,
-                    template_kwargs: dict | None = None) -> float:
-    """Mean greedy score: exact final answer for `messages` rows; for `conversation` rows, whether
-    the first assistant turn (EOS included) equals the demonstration's (for a tool agent: the
-    right tool call), which is why such eval rows should be clean demonstrations."""
-    prompts, targets = [], []
+                    template_kwargs: dict | None = None,
+                    vision: VisionPromptEncoder | None = None) -> float:
+    """Mean greedy score: exact final answer for `messages` rows (with their images through
+    `vision`, a vision-language model's encoder); for `conversation` rows, whether the first
+    assistant turn (EOS included) equals the demonstration's (for a tool agent: the right tool
+    call), which is why such eval rows should be clean demonstrations."""
+    prompts, targets, images = [], [], []
     for r in rows:
         conv = r.get("conversation") is not None
-        ids, target = (first_turn(tokenizer, r, template_kwargs) if conv else (encode_chat_prompt(
-            tokenizer, r["messages"], template_kwargs=template_kwargs), None))
+        ids, target = (first_turn(tokenizer, r, template_kwargs) if conv else (None, None))
+        pictures = None
+        if not conv:
+            ids, pictures = row_prompt(tokenizer, vision, r, template_kwargs)
         prompts.append(ids)
         targets.append(target)
+        images.append(pictures)
     outs = hf_greedy_generate(model, prompts, max_new_tokens, tokenizer.pad_token_id,
-                              tokenizer.eos_token_id)
+                              tokenizer.eos_token_id, images=images if vision else None)
     plain = tokenizer.batch_decode(outs, skip_special_tokens=True)
     raw = tokenizer.batch_decode(outs, skip_special_tokens=False)
     scores = [float(text == target) if target is not None else exact_answer_reward(p, r["answer"])
@@ -153,6 +158,7 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
     torch.manual_seed(cfg.sft.seed)
     base = resolve_model_dir(cfg.model, cfg.tiny)  # a hub id: its cached snapshot
     tokenizer = load_tokenizer(base, cfg.model.trust_remote_code)
+    vision = vision_encoder(base, cfg.model.trust_remote_code)
 
     def load_base() -> torch.nn.Module:
         return load_causal_lm(base, cfg.model.dtype, cfg.model.trust_remote_code)
@@ -161,7 +167,7 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
     dataset = cfg.data.build()
     train_rows = with_label_noise(dataset.train_rows(), cfg.sft.label_noise,
                                   cfg.sft.label_noise_offset, cfg.sft.seed)
-    examples = build_examples(tokenizer, train_rows, cfg.model.template_kwargs())
+    examples = build_examples(tokenizer, train_rows, cfg.model.template_kwargs(), vision)
     eval_rows = dataset.eval_rows()[: cfg.sft.eval_size]
     params = sum(p.numel() for p in engine.model.parameters())  # a DTensor's is its global
     if lead:
@@ -185,7 +191,7 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
         if model is None:
             return 0.0, None
         return greedy_accuracy(model.eval(), tokenizer, eval_rows, cfg.sft.eval_max_new_tokens,
-                               cfg.model.template_kwargs()), model
+                               cfg.model.template_kwargs(), vision), model
 
     history = train_with_progress(engine, examples, cfg, evaluate, console, lead, then)
     train_seconds = history[-1]["time/elapsed_s"]
@@ -193,7 +199,7 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
     result = SFTResult(str(out), accuracy, len(eval_rows), train_seconds, cfg.sft.steps,
                        history[-1]["train/loss"])
     if lead:
-        save_atomically(model, tokenizer, cfg, result, out)
+        save_atomically(model, tokenizer, cfg, result, out, base)
         console.print(f"SFT done in {train_seconds:.1f}s: eval greedy accuracy {accuracy:.1%} "
                       f"on {len(eval_rows)} held-out problems -> {out}")
     parallel.barrier()  # the model is in place before any rank uses it
@@ -227,10 +233,11 @@ def train_with_progress(engine: HFTrainEngine, examples: list, cfg: SFTRunConfig
         return train_sft(engine, examples, cfg.sft, on_step)
 
 
-def save_atomically(model, tokenizer, cfg: SFTRunConfig, result: SFTResult, out: Path) -> None:
+def save_atomically(model, tokenizer, cfg: SFTRunConfig, result: SFTResult, out: Path,
+                    base: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    save_model_dir(model, tokenizer, tmp)
+    save_model_dir(model, tokenizer, tmp, processor_from=base)
     cfg.save(tmp / "sft_config.yaml")
     data = asdict(result)
     data.pop("cached")

@@ -25,3 +25,14 @@ class SFTRunConfig(Config):
     # RL knowing the arithmetic and mostly answering with the wrong habit (configs/sft_tiny.yaml).
     sft: SFTConfig = SFTConfig(steps=600, label_noise=0.6)
     output_dir: str | None = None  # None: a cache directory keyed by this config
+
+    @pydantic.model_validator(mode="after")
+    def _images_need_a_vision_model(self) -> SFTRunConfig:
+        if (getattr(type(self.data), "has_images", False)
+                and self.model.is_vision_language(self.tiny) is False):
+            what = (f"the embedded tiny model, tiny.arch={self.tiny.arch!r}"
+                    if self.model.path is None else self.model.path)
+            raise ValueError(f"data.kind={self.data.kind!r} has images, but model.path ({what}) "
+                             "is a text-only model; set tiny.arch to 'qwen2_vl' or model.path "
+                             "to a vision-language model")
+        return self

@@ -51,6 +51,7 @@ from asyncrl.launch.workflows import (AgentWorkflowConfig, WorkflowContext, eval
                                       workflow_from_object)
 from asyncrl.models.device import resolve_device
 from asyncrl.models.loading import load_tokenizer, resolve_model_dir
+from asyncrl.models.vision import vision_encoder
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.train.config import lora_enabled
 from asyncrl.train.critic import load_critic
@@ -136,7 +137,7 @@ def run_rank(job: TrainJob) -> TrainResult:
             tokenizer = load_tokenizer(base, cfg.model.trust_remote_code)
             group = build_trainer(cfg, base, job.loss, parallel)
             if not leader:
-                group.follow(checkpointer(job, group, tokenizer))
+                group.follow(checkpointer(job, group, tokenizer, base))
                 return TrainResult(job.run_dir)
             try:
                 return lead(job, group, base, tokenizer, ckpt, console)
@@ -216,7 +217,7 @@ def build_trainer(cfg: TrainRunConfig, base: Path, loss: PolicyLoss | None,
     return TrainerGroup(policy, actor)
 
 
-def checkpointer(job: TrainJob, group: TrainerGroup, tokenizer: Any,
+def checkpointer(job: TrainJob, group: TrainerGroup, tokenizer: Any, base: Path,
                  plain: dict[str, Stateful] | None = None) -> RunCheckpointer:
     """Where every stateful part of the run is registered: the trainer's (the same on every
     rank, in this order) and rank 0's `plain` ones; every rank exports policy/ together."""
@@ -224,7 +225,8 @@ def checkpointer(job: TrainJob, group: TrainerGroup, tokenizer: Any,
     if group.actor.critic is not None:
         sharded["critic"] = group.actor.critic
     return RunCheckpointer(job.run_dir, group.trainer.parallel, sharded, plain,
-                           PolicyExport(group.trainer, tokenizer, job.cfg.checkpoint_shard_size))
+                           PolicyExport(group.trainer, tokenizer, job.cfg.checkpoint_shard_size,
+                                        base))
 
 
 def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: Path | None,
@@ -250,7 +252,8 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
             check=logprob_check(cfg, group, tokenizer, eval_rows),
             adapter=adapter_spec(cfg, trainer) if lora else None))
         ctx = WorkflowContext(tokenizer, engines.engine, reward, cfg.gconfig, cfg.model,
-                              cfg.eval, context_length(cfg, trainer), vision_encoder(cfg, base))
+                              cfg.eval, context_length(cfg, trainer),
+                              vision_encoder(base, cfg.model.trust_remote_code))
         workflow = the_workflow(job, ctx)
         evaluator = evaluator_for(job.eval_workflow, workflow, ctx, cfg.eval.concurrency)
         rollout_cfg = cfg.rollout.model_copy(
@@ -258,7 +261,7 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
         # the executor follows the version the engines serve (the trainer's, once pushed)
         executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg, workflow,
                                                         engines.version, monitor.accept))
-        saver = checkpointer(job, group, tokenizer,
+        saver = checkpointer(job, group, tokenizer, base,
                              {"loop": state, "data": stream, "rollout": executor})
         limit = cfg.watchdog.sync_timeout_s
         bounded(executor, engines.check_servers(), limit, "the servers' start-up checks",
@@ -300,16 +303,6 @@ def context_length(cfg: TrainRunConfig, trainer: Any) -> int | None:
     model = getattr(trainer.model.config, "max_position_embeddings", None)
     engine = cfg.inference.engine.max_seq_len if cfg.inference.mode == "inprocess" else None
     return min(n for n in (model, engine) if n is not None) if model or engine else None
-
-
-def vision_encoder(cfg: TrainRunConfig, base: Path) -> Any:
-    """A vision-language model's prompt encoder (its image processor); None for a text model."""
-    from asyncrl.models.config import is_vision_language
-    from asyncrl.models.vision import VisionPromptEncoder
-
-    if not is_vision_language(base):
-        return None
-    return VisionPromptEncoder.from_model_dir(base, cfg.model.trust_remote_code)
 
 
 def logprob_check(cfg: TrainRunConfig, group: TrainerGroup, tokenizer: Any,

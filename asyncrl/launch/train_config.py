@@ -148,10 +148,11 @@ class TrainRunConfig(Config):
     model: ModelConfig = ModelConfig()
     warm_start: SFTRunConfig = SFTRunConfig()  # used when model.path is None
     data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)
-    # a name (exact, digits, math, code), package.module:function, trl:package.module:function,
-    # or a mapping with a kind (judge, function, trl, code): asyncrl/reward/config.py
+    # a name (exact, digits, clevr_count_70k, math, code), package.module:function,
+    # trl:package.module:function, or a mapping with a kind (judge, function, trl, code): asyncrl/reward/config.py
     reward: RewardConfig = pydantic.Field(
-        "exact", description="exact | digits | math | code | package.module:function | "
+        "exact", description="exact | digits | clevr_count_70k | math | code | "
+                             "package.module:function | "
                              "trl:package.module:function | {kind: judge, ...}")
     workflow: WorkflowConfig = pydantic.Field(default_factory=RLVRWorkflowConfig)
     gconfig: GenerationConfig = pydantic.Field(default_factory=_default_generation)
@@ -221,11 +222,13 @@ class TrainRunConfig(Config):
         if not getattr(type(self.data), "has_images", False):
             return
         kind = f"data.kind={self.data.kind!r} has images"
-        if self.model.is_vision_language() is False:
-            what = "the embedded tiny model" if self.model.path is None else self.model.path
+        if self.model.is_vision_language(self.warm_start.tiny) is False:
+            what = ("the embedded tiny model, warm_start.tiny.arch="
+                    f"{self.warm_start.tiny.arch!r}" if self.model.path is None
+                    else self.model.path)
             raise ValueError(f"{kind}, but model.path ({what}) is a text-only model; set it to a "
                              "vision-language model (e.g. `asyncrl build-model OUT --preset "
-                             "tiny-vl`)")
+                             "tiny-vl`), or warm_start.tiny.arch to 'qwen2_vl'")
         if self.workflow.kind != "rlvr":
             raise ValueError(f"{kind}: workflow.kind={self.workflow.kind!r} does not pass images "
                              "yet; allowed: rlvr")

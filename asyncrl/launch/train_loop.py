@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncrl.api import Closable, Evaluator, ReportsMetrics
 from asyncrl.launch.data_stream import DataStream
+from asyncrl.launch.eval_grid import GRID_FILE, INITIAL_GRID_FILE, save_eval_grid
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rollout_engines import RolloutEngines
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
@@ -243,10 +244,19 @@ class TrainLoop:
             p.logger.log(0, {**metrics, "time/elapsed_s": 0.0, "policy/version": 0.0},
                          force=True)
         self.result.final_accuracy = acc
+        self._save_grid(report, initial)
         p.progress.message(f"eval at step {step}: {report.name} {acc:.3g}{report.detail} "
                            f"({len(self.ctx.eval_rows)} held-out problems, "
                            f"{time.perf_counter() - t0:.1f}s)")
         return metrics
+
+    def _save_grid(self, report: Any, initial: bool) -> None:
+        """The eval rows with images, drawn with the model's answers (launch/eval_grid.py)."""
+        if not report.answers:
+            return
+        title = f"step {self.state.step}: {report.name} {report.score:.3g}"
+        for name in (INITIAL_GRID_FILE, GRID_FILE) if initial else (GRID_FILE,):
+            save_eval_grid(self.ctx.run_dir / name, self.ctx.eval_rows, report.answers, title)
 
     def checkpoint(self, final: bool) -> None:
         """Suspend the episodes in flight, save every registered part (the episodes with the

@@ -67,11 +67,11 @@ class ModelConfig(ChatOptions):
                              f"and path={self.path!r} is not one")
         return self
 
-    def is_vision_language(self) -> bool | None:
+    def is_vision_language(self, tiny: TinyModelConfig | None = None) -> bool | None:
         """Whether `path` is a vision-language model: None when that cannot be told here (a
-        hub id resolved at launch); the embedded tiny model is text-only."""
+        hub id resolved at launch); with no path, whether the embedded model (`tiny`) is."""
         if self.path is None:
-            return False
+            return tiny is not None and tiny.arch == "qwen2_vl"
         local = Path(self.path).expanduser()
         return is_vision_language(local) if local.is_dir() else None
 
@@ -79,7 +79,9 @@ class ModelConfig(ChatOptions):
 class TinyModelConfig(Config):
     """Shape of the embedded tiny model; its hash names the cache directory it is built into."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"  # HF architecture of the embedded model
+    # HF architecture of the embedded model; qwen2_vl: the vision-language model (a Qwen2-VL whose
+    # text side has this shape, with a small vision tower: models/tiny_vl.py)
+    arch: Literal["qwen2", "llama", "qwen2_vl"] = "qwen2"
     hidden_size: int = pydantic.Field(256, ge=8)  # width of the residual stream
     num_layers: int = pydantic.Field(8, ge=1)  # decoder layers
     num_heads: int = pydantic.Field(4, ge=1)  # attention (query) heads

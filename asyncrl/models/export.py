@@ -90,9 +90,24 @@ def _clear_weights(out: Path) -> None:
         f.unlink(missing_ok=True)
 
 
+# A vision-language model's image processor (and a combined processor's) settings: a policy
+# directory written from its weights carries them, so it loads as the base did.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
+
+
+def copy_processor_files(src: str | Path | None, out: Path) -> None:
+    """The processor files of model directory `src` (those it has) copied into `out`."""
+    for name in PROCESSOR_FILES if src is not None else ():
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, out / name)
+
+
 def save_model_dir(model: Any, tokenizer: Any, out_dir: str | Path,
-                   max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
-    """A model object + tokenizer as a HF directory (save_pretrained: generation_config too)."""
+                   max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+                   processor_from: str | Path | None = None) -> Path:
+    """A model object + tokenizer as a HF directory (save_pretrained: generation_config too);
+    `processor_from`: a model directory whose processor files are copied along."""
     from asyncrl.models.hf_quiet import quiet_hf_progress
     from asyncrl.models.tokenizer import save_tokenizer
 
@@ -107,17 +122,20 @@ def save_model_dir(model: Any, tokenizer: Any, out_dir: str | Path,
                               safe_serialization=True)  # 4.x's spelling; 5.x always is safe
     _both_config_spellings(out)
     save_tokenizer(tokenizer, out)
+    copy_processor_files(processor_from, out)
     return out
 
 
 def save_weights_dir(weights: Mapping[str, torch.Tensor], hf_config: Any, out_dir: str | Path,
                      tokenizer: Any = None, untie: bool = False, generation_config: Any = None,
-                     max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+                     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+                     processor_from: str | Path | None = None) -> Path:
     """A HF directory from full weights (e.g. gathered from FSDP shards on rank 0), written by
     `save_pretrained` on a weightless (meta) model of `hf_config`: the weights are written from
     `weights` as they are, one shard at a time (a GPU tensor is copied to the CPU shard by shard),
     with no second copy of the model. `generation_config`: the base model's (see
-    `export_generation_config`); the tokenizer is saved when given.
+    `export_generation_config`); the tokenizer is saved when given, and `processor_from`'s
+    processor files are copied (`copy_processor_files`).
 
     `untie`: a tied model is written with an output head of its own (a copy of the embeddings,
     config tie_word_embeddings=false), for servers that do not re-tie on a reload (vLLM)."""
@@ -142,6 +160,7 @@ def save_weights_dir(weights: Mapping[str, torch.Tensor], hf_config: Any, out_di
         from asyncrl.models.tokenizer import save_tokenizer
 
         save_tokenizer(tokenizer, out)
+    copy_processor_files(processor_from, out)
     return out
 
 

@@ -61,6 +61,7 @@ PRESETS: dict[str, ArchPreset] = {
 TINY = "tiny"  # the embedded default (models/tiny.py), with its character tokenizer
 TINY_VL = "tiny-vl"  # the embedded vision-language model (models/tiny_vl.py), a small Qwen2-VL
 PRESET_NAMES = (TINY, TINY_VL, *PRESETS)
+TINY_ARCHS = {TINY: "qwen2", TINY_VL: "qwen2_vl"}  # the presets that are the embedded model
 
 
 def check_preset(name: str) -> str:
@@ -75,7 +76,7 @@ def check_preset(name: str) -> str:
 def check_dtype(dtype: str | None, name: str) -> str:
     """The dtype to build `name` in: `dtype`, or the preset's default when None."""
     if dtype is None:
-        return "float32" if name in (TINY, TINY_VL) else PRESETS[name].default_dtype
+        return "float32" if name in TINY_ARCHS else PRESETS[name].default_dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed {list(DTYPES)}")
     return dtype
@@ -87,7 +88,7 @@ def preset_hf_config(name: str, dtype: str | None = None):
 
     from asyncrl.models.bpe_tokenizer import ENDOFTEXT_ID, IM_END_ID
 
-    if check_preset(name) in (TINY, TINY_VL):
+    if check_preset(name) in TINY_ARCHS:
         raise ValueError(f"preset={name!r} is not a Qwen2.5 preset; see models/tiny.py and "
                          "models/tiny_vl.py")
     arch = PRESETS[name]
@@ -133,13 +134,10 @@ def build_preset_model(name: str, out_dir: str | Path, dtype: str | None = None,
     from asyncrl.models.tiny import build_tiny_model
     from asyncrl.models.config import TinyModelConfig
 
-    if check_preset(name) == TINY:
-        return build_tiny_model(TinyModelConfig(dtype=check_dtype(dtype, name), seed=seed),
+    if check_preset(name) in TINY_ARCHS:
+        return build_tiny_model(TinyModelConfig(arch=TINY_ARCHS[name],
+                                                dtype=check_dtype(dtype, name), seed=seed),
                                 out_dir)
-    if name == TINY_VL:
-        from asyncrl.models.tiny_vl import build_tiny_vl_model
-
-        return build_tiny_vl_model(out_dir, check_dtype(dtype, name), seed)
     model, tokenizer = build_preset_in_memory(name, dtype, seed)
     return save_model_dir(model, tokenizer, out_dir)
 
@@ -151,15 +149,12 @@ def preset_model_dir(name: str, dtype: str | None = None, seed: int = 0) -> Path
     from asyncrl.models.config import TinyModelConfig
 
     dtype = check_dtype(dtype, check_preset(name))
-    if name == TINY:
-        return default_model_dir(TinyModelConfig(dtype=dtype, seed=seed))
-    if name == TINY_VL:
-        payload = f"v{PRESET_BUILD_VERSION}\n{name}\n{dtype}\n{seed}"
-    else:
-        from asyncrl.models.bpe_tokenizer import bpe_tokenizer_dir
+    if name in TINY_ARCHS:
+        return default_model_dir(TinyModelConfig(arch=TINY_ARCHS[name], dtype=dtype, seed=seed))
+    from asyncrl.models.bpe_tokenizer import bpe_tokenizer_dir
 
-        payload = (f"v{PRESET_BUILD_VERSION}\n{PRESETS[name].to_yaml()}\n{dtype}\n{seed}\n"
-                   f"{bpe_tokenizer_dir().name}")
+    payload = (f"v{PRESET_BUILD_VERSION}\n{PRESETS[name].to_yaml()}\n{dtype}\n{seed}\n"
+               f"{bpe_tokenizer_dir().name}")
     key = hashlib.sha256(payload.encode()).hexdigest()[:12]
     return cache_root() / "models" / f"{name}-{dtype}-{key}"
 
@@ -170,7 +165,7 @@ def ensure_preset_model(name: str, dtype: str | None = None, seed: int = 0) -> P
     from asyncrl.models.config import TinyModelConfig
 
     dtype = check_dtype(dtype, check_preset(name))
-    if name == TINY:
-        return ensure_tiny_model(TinyModelConfig(dtype=dtype, seed=seed))
+    if name in TINY_ARCHS:
+        return ensure_tiny_model(TinyModelConfig(arch=TINY_ARCHS[name], dtype=dtype, seed=seed))
     return build_once(preset_model_dir(name, dtype, seed), "config.json",
                       lambda tmp: build_preset_model(name, tmp, dtype, seed))

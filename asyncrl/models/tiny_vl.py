@@ -1,8 +1,8 @@
 """Build the embedded vision-language model: a small random-init Qwen2-VL with the char tokenizer.
 
-The text side is the tiny model's shape (models/tiny.py: hidden 256, 8 layers, 4 heads / 2 KV
-heads, MLP 768, tied embeddings) with multimodal RoPE (M-RoPE, sections 8/12/12 of the 32 rotary
-pairs per head); the vision tower is Qwen2-VL's (14 px patches, 2 frames per temporal patch, 2 x 2
+The text side has the tiny model's shape (`TinyModelConfig` with arch qwen2_vl; by default hidden
+256, 8 layers, 4 heads / 2 KV heads, MLP 768, tied embeddings) with multimodal RoPE (M-RoPE: the
+rotary pairs of a head split 1/4 time, 3/8 height, 3/8 width, so 8/12/12 of 32); the vision tower is Qwen2-VL's (14 px patches, 2 frames per temporal patch, 2 x 2
 patches merged into one token) at width 64 and depth 2. The tokenizer is the character tokenizer
 plus Qwen2-VL's vision tokens (<|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>,
 ids 101-104), and its chat template renders an image part as the placeholder
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.tiny import DTYPES, padded_vocab_size
 from asyncrl.models.tokenizer import (
     ENDOFTEXT_ID,
@@ -47,31 +48,40 @@ def build_vl_tokenizer():
     return tokenizer
 
 
-def tiny_vl_config(tokenizer, dtype: str = "float32"):
+def mrope_sections(head_dim: int) -> list[int]:
+    """Qwen2-VL's split of a head's rotary pairs over (time, height, width): 16/24/24 of 64."""
+    half = head_dim // 2
+    t = half // 4
+    return [t, (half - t) // 2, half - t - (half - t) // 2]
+
+
+def tiny_vl_config(tokenizer, cfg: TinyModelConfig):
     from transformers import Qwen2VLConfig
 
     ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
     return Qwen2VLConfig(
         text_config=dict(
-            vocab_size=padded_vocab_size(len(tokenizer), 64), hidden_size=256,
-            num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=768, max_position_embeddings=2048, rope_theta=10000.0,
-            # M-RoPE: the 32 rotary pairs of a 64-wide head split over (time, height, width)
-            rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
-            tie_word_embeddings=True, bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
-            pad_token_id=PAD_ID),
+            vocab_size=padded_vocab_size(len(tokenizer), cfg.vocab_multiple),
+            hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            intermediate_size=cfg.intermediate_size,
+            max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+            rope_scaling={"type": "mrope",
+                          "mrope_section": mrope_sections(cfg.hidden_size // cfg.num_heads)},
+            tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=ENDOFTEXT_ID,
+            eos_token_id=IM_END_ID, pad_token_id=PAD_ID),
         vision_config=dict(
-            depth=2, embed_dim=64, hidden_size=256, num_heads=4, mlp_ratio=2,
+            depth=2, embed_dim=64, hidden_size=cfg.hidden_size, num_heads=4, mlp_ratio=2,
             patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,
             temporal_patch_size=TEMPORAL_PATCH_SIZE, in_channels=3),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True, architectures=["Qwen2VLForConditionalGeneration"],
-        dtype=dtype)
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        architectures=["Qwen2VLForConditionalGeneration"], dtype=cfg.dtype)
 
 
-def build_tiny_vl_model(out_dir: str | Path, dtype: str = "float32", seed: int = 0) -> Path:
-    """Build the tiny VLM (seeded random weights) and save it as a HF directory at `out_dir`."""
+def build_tiny_vl_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
+    """Build the tiny VLM (`cfg.seed`'s random weights) and save it as a HF directory."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -81,9 +91,9 @@ def build_tiny_vl_model(out_dir: str | Path, dtype: str = "float32", seed: int =
 
     tokenizer = build_vl_tokenizer()
     with torch.random.fork_rng(devices=[]):  # HF init draws from the global RNG
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(tiny_vl_config(tokenizer, dtype),
-                                                        dtype=DTYPES[dtype])
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForImageTextToText.from_config(tiny_vl_config(tokenizer, cfg),
+                                                        dtype=DTYPES[cfg.dtype])
     model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
                                                pad_token_id=PAD_ID)
     out = save_model_dir(model.eval(), tokenizer, out_dir)

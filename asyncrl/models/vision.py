@@ -166,6 +166,16 @@ class VisionPromptEncoder:
                            processed["pixel_values"], grid)
 
 
+def vision_encoder(path: str | Path, trust_remote_code: bool = False
+                   ) -> VisionPromptEncoder | None:
+    """The prompt encoder of a vision-language model directory; None for a text model."""
+    from asyncrl.models.config import is_vision_language
+
+    if not is_vision_language(path):
+        return None
+    return VisionPromptEncoder.from_model_dir(path, trust_remote_code)
+
+
 def row_prompt(tokenizer: Any, vision: VisionPromptEncoder | None, row: Mapping[str, Any],
                template_kwargs: Mapping[str, Any] | None = None
                ) -> tuple[list[int], ImageInputs | None]:

@@ -2,7 +2,7 @@
 registry (asyncrl/plugins.py).
 
 ```yaml
-reward: exact                       # built-ins: exact, digits, math, code
+reward: exact                       # built-ins: exact, digits, clevr_count_70k, math, code
 reward: my_pkg.rewards:score        # your reward(completion, row) -> float, sync or async
 reward: trl:my_pkg.rewards:fmt      # a TRL GRPOTrainer reward function, unchanged
 reward: {kind: judge, base_url: http://..., model: judge-model}   # see reward/judge.py
@@ -10,8 +10,9 @@ reward: {kind: function, path: my_pkg.rewards:score, executor: process, max_work
 reward: {kind: code, tests_field: tests, limits: {wall_seconds: 5}}
 ```
 
-`exact` (the final number must equal the answer) and `digits` (exact, or partial credit for
-matching digit places) are cheap pure checks marked inline: they run on the event loop. `math`
+`exact` (the final number must equal the answer), `digits` (exact, or partial credit for
+matching digit places) and `clevr_count_70k` (the count in square brackets, else the final number:
+reward/exact.py) are cheap pure checks marked inline: they run on the event loop. `math`
 (math-verify) and `code` (the row's tests in the sandbox) run in a RewardPool of worker
 processes. A user's function runs on a thread pool or (`executor: process`) a process pool;
 `trl:` adapts a TRL GRPOTrainer reward function; `judge` asks a model.
@@ -54,10 +55,11 @@ class RewardContext:
 
 
 class BuiltinRewardConfig(Config):
-    """exact / digits: cheap checks on the event loop; math: math-verify in a process pool."""
+    """exact / digits / clevr_count_70k: cheap checks on the event loop; math: math-verify in a
+    process pool."""
 
-    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
-    kind: Literal["exact", "digits", "math"] = "exact"
+    # the reward (REWARDS: exact | digits | clevr_count_70k | math | function | trl | code | judge)
+    kind: Literal["exact", "digits", "clevr_count_70k", "math"] = "exact"
 
     @contextlib.contextmanager
     def build(self, ctx: RewardContext) -> Iterator[RewardFn]:
@@ -69,11 +71,10 @@ class BuiltinRewardConfig(Config):
             yield from _pooled(math_answer_reward, lambda text, row: (text, str(row["answer"])),
                                "math", preload=["asyncrl.reward.math_verify"])
             return
-        from asyncrl.reward.exact import digit_match_reward, exact_answer_reward
+        from asyncrl.reward.exact import CHEAP_CHECKS
 
         # inline: microseconds of regex work; off-loop calls would cost more than they save
-        check = exact_answer_reward if self.kind == "exact" else digit_match_reward
-        yield answer_reward(check, cheap=True)
+        yield answer_reward(CHEAP_CHECKS[self.kind], cheap=True)
 
 
 class FunctionRewardConfig(Config):
@@ -82,7 +83,7 @@ class FunctionRewardConfig(Config):
     (for functions that need a main thread or may hang; they must pickle, and a call over
     `timeout_seconds` scores 0.0 and is counted). Async functions are awaited on the loop."""
 
-    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
+    # the reward (REWARDS: exact | digits | clevr_count_70k | math | function | trl | code | judge)
     kind: Literal["function"] = "function"
     path: str = pydantic.Field(description="package.module:function")
     executor: Literal["thread", "process"] = "thread"
@@ -113,7 +114,7 @@ class TRLRewardConfig(Config):
     """TRL GRPOTrainer reward functions `f(prompts, completions, completion_ids, **columns)`,
     called once per group; several are summed with `weights` (None entries skipped, as TRL)."""
 
-    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
+    # the reward (REWARDS: exact | digits | clevr_count_70k | math | function | trl | code | judge)
     kind: Literal["trl"] = "trl"
     functions: list[str] = pydantic.Field(min_length=1, description="package.module:function")
     weights: list[float] | None = None
@@ -143,7 +144,7 @@ class CodeRewardConfig(Config):
     dict or JSON string). Each test runs under `limits`; the RewardPool's `timeout_seconds` is
     the outer bound of one whole completion."""
 
-    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
+    # the reward (REWARDS: exact | digits | clevr_count_70k | math | function | trl | code | judge)
     kind: Literal["code"] = "code"
     tests_field: str = "tests"
     limits: SandboxLimits = SandboxLimits()

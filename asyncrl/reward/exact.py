@@ -51,6 +51,18 @@ def exact_answer_reward(response: str, answer: str) -> float:
     return 1.0 if predicted.strip() == reference else 0.0
 
 
+BRACKETED = re.compile(r"\[\s*(-?\d+(?:\.\d+)?)\s*\]")
+
+
+def count_answer_reward(response: str, answer: str) -> float:
+    """The counting reward (the user's documents' `clevr_count_70k`): the answer is the last
+    number in square brackets ("there are [3] objects", as CLEVR-Count-70K's prompts ask), else
+    the response's final answer as `exact_answer_reward` reads it; 1.0 when it equals `answer`
+    numerically."""
+    bracketed = BRACKETED.findall(response)
+    return exact_answer_reward(bracketed[-1] if bracketed else response, answer)
+
+
 def digit_match_reward(response: str, answer: str, partial_weight: float = 0.5) -> float:
     """Partial credit for integer answers: 1.0 when exact, else `partial_weight` times the share
     of digit places (aligned from the units) that match, over the longer of the two numbers.
@@ -70,3 +82,8 @@ def digit_match_reward(response: str, answer: str, partial_weight: float = 0.5) 
     a, b = predicted.lstrip("-")[::-1], reference.lstrip("-")[::-1]
     same = sum(x == y for x, y in zip(a, b))
     return partial_weight * same / max(len(a), len(b))
+
+
+# The checks a config names (reward: exact | digits | clevr_count_70k)
+CHEAP_CHECKS = {"exact": exact_answer_reward, "digits": digit_match_reward,
+                "clevr_count_70k": count_answer_reward}

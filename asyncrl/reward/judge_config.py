@@ -47,7 +47,7 @@ class JudgeRewardConfig(Config):
     and logged with the reply), `zero` scores 0.0, logs the reply and counts it.
     """
 
-    # the reward (REWARDS: exact | digits | math | function | trl | code | judge)
+    # the reward (REWARDS: exact | digits | clevr_count_70k | math | function | trl | code | judge)
     kind: Literal["judge"] = "judge"
     base_url: str | None = None  # e.g. http://10.0.0.7:8000/v1
     model: str | None = None  # the served model's name (base_url)

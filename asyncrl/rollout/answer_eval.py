@@ -117,7 +117,9 @@ class EvalResult:
 
     def report(self) -> EvalReport:
         detail = "".join(f", pass@{k} {v:.1%}" for k, v in self.pass_at_k.items())
-        return EvalReport(self.greedy_accuracy, "greedy accuracy", self.summary(), detail)
+        answers = {r.id: (r.greedy_completion, r.greedy_reward) for r in self.records}
+        return EvalReport(self.greedy_accuracy, "greedy accuracy", self.summary(), detail,
+                          answers)
 
 
 def _sample_seed(base: int, problem: int, sample: int, n: int) -> int:

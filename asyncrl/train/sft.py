@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from asyncrl.api.trajectory import PROMPT_VERSION, Sample
-from asyncrl.models.chat import encode_chat_prompt, encode_completion
+from asyncrl.models.chat import encode_completion
+from asyncrl.models.vision import VisionPromptEncoder, row_prompt
 from asyncrl.train.config import SFTConfig
 from asyncrl.train.engine import HFTrainEngine, sft_token_loss
 from asyncrl.train.sft_conversation import conversation_ids
@@ -63,17 +64,21 @@ def with_label_noise(rows: list[dict[str, Any]], fraction: float, offset: int,
 
 
 def build_examples(tokenizer: Any, rows: list[dict[str, Any]],
-                   template_kwargs: dict[str, Any] | None = None) -> list[Sample]:
+                   template_kwargs: dict[str, Any] | None = None,
+                   vision: VisionPromptEncoder | None = None) -> list[Sample]:
     """`template_kwargs`: the model's chat template variables (model.chat_template_kwargs),
-    so SFT trains on the prompts rollouts will render."""
+    so SFT trains on the prompts rollouts will render; `vision`: a vision-language model's
+    encoder, which turns a row's images into the sample's (as rollouts do)."""
     out = []
     for row in rows:
         if row.get("conversation") is not None:
             out.append(demonstration(*conversation_ids(tokenizer, row, template_kwargs)))
             continue
-        prompt = encode_chat_prompt(tokenizer, row["messages"], template_kwargs=template_kwargs)
+        prompt, images = row_prompt(tokenizer, vision, row, template_kwargs)
         reply = encode_completion(tokenizer, reply_text(row))
-        out.append(demonstration(prompt + reply, [0] * len(prompt) + [1] * len(reply)))
+        sample = demonstration(prompt + reply, [0] * len(prompt) + [1] * len(reply))
+        sample.images = images
+        out.append(sample)
     return out
 
 
