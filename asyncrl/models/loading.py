@@ -197,7 +197,17 @@ def ensure_tiny_model(cfg: TinyModelConfig | None = None) -> Path:
     """The cached tiny model directory for `cfg`, building it first if it is not there yet."""
     cfg = cfg or TinyModelConfig()
     return build_once(default_model_dir(cfg), "config.json",
-                      lambda tmp: build_tiny_model(cfg, tmp))
+                      lambda tmp: build_embedded_model(cfg, tmp))
+
+
+def build_embedded_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
+    """The embedded model of `cfg` written to `out_dir`: the text model (models/tiny.py) or,
+    with arch qwen2_vl, the vision-language one (models/tiny_vl.py)."""
+    if cfg.arch == "qwen2_vl":
+        from asyncrl.models.tiny_vl import build_tiny_vl_model
+
+        return build_tiny_vl_model(cfg, out_dir)
+    return build_tiny_model(cfg, out_dir)
 
 
 def resolve_model_dir(model: ModelConfig, tiny: TinyModelConfig | None = None) -> Path:

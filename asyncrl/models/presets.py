@@ -131,13 +131,12 @@ def build_preset_model(name: str, out_dir: str | Path, dtype: str | None = None,
                        seed: int = 0) -> Path:
     """Build preset `name` and save it as a HF directory at `out_dir`."""
     from asyncrl.models.export import save_model_dir
-    from asyncrl.models.tiny import build_tiny_model
+    from asyncrl.models.loading import build_embedded_model
     from asyncrl.models.config import TinyModelConfig
 
     if check_preset(name) in TINY_ARCHS:
-        return build_tiny_model(TinyModelConfig(arch=TINY_ARCHS[name],
-                                                dtype=check_dtype(dtype, name), seed=seed),
-                                out_dir)
+        tiny = TinyModelConfig(arch=TINY_ARCHS[name], dtype=check_dtype(dtype, name), seed=seed)
+        return build_embedded_model(tiny, out_dir)
     model, tokenizer = build_preset_in_memory(name, dtype, seed)
     return save_model_dir(model, tokenizer, out_dir)
 

@@ -87,10 +87,6 @@ def build_tiny_model_in_memory(
 
 def build_tiny_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     """Build the tiny model + char tokenizer and save them as a HF directory at `out_dir`
-    (arch qwen2_vl: the vision-language model of models/tiny_vl.py)."""
-    if cfg.arch == "qwen2_vl":
-        from asyncrl.models.tiny_vl import build_tiny_vl_model
-
-        return build_tiny_vl_model(cfg, out_dir)
+    (a text arch; qwen2_vl is models/tiny_vl.py's: `loading.build_embedded_model` picks)."""
     model, tokenizer = build_tiny_model_in_memory(cfg)
     return save_model_dir(model, tokenizer, out_dir)
