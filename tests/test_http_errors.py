@@ -203,3 +203,14 @@ def test_api_key_protects_generation_routes(serve_url, method, path, body):
 def test_health_and_metrics_stay_open(serve_url):
     assert httpx.get(serve_url + "/health").status_code == 200
     assert httpx.get(serve_url + "/metrics").status_code == 200
+
+
+def test_image_parts_for_a_text_policy_are_400(target):
+    """`asyncrl serve` takes text prompts; the proxy of a text-only policy refuses images."""
+    url = "data:image/png;base64,iVBORw0KGgo="
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]}],
+        "max_tokens": 2}
+    err = openai_error(target.post("/v1/chat/completions", json=body), 400)
+    assert "image_url" in err["message"], err
+    assert_still_serving(target)

@@ -204,6 +204,20 @@ class TextPart(pydantic.BaseModel):
     text: str
 
 
+class ImageURL(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+    url: str  # a data:image/...;base64 URL, or file:// where the server allows a directory
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor decides
+
+
+class ImagePart(pydantic.BaseModel):
+    """An OpenAI image part: read by a vision-language model's proxy, refused elsewhere."""
+
+    model_config = pydantic.ConfigDict(extra="allow")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ToolCallFunction(pydantic.BaseModel):
     name: str
     arguments: str | dict[str, Any]  # OpenAI sends a JSON string; some clients an object
@@ -222,7 +236,7 @@ class ChatMessage(pydantic.BaseModel):
     # Messages pass through to the chat template; extra fields (refusal, ...) are kept as given.
     model_config = pydantic.ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -292,6 +306,11 @@ class ChatCompletionBody(OpenAISampling):
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (unset fields left out)."""
         return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def has_images(self) -> bool:
+        return any(isinstance(m.content, list) and any(isinstance(p, ImagePart)
+                                                       for p in m.content)
+                   for m in self.messages)
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them, or None."""

@@ -153,6 +153,10 @@ class OpenAIRoutes:
         return {**head, "choices": choices, "usage": usage(prompts, outs)}
 
     async def chat(self, body: ChatCompletionBody):
+        if body.has_images():
+            raise ValueError("messages: image_url parts are not served here (text prompts "
+                             "only); a vision-language policy reads them through the agent "
+                             "proxy of a training run")
         template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
         prompt = encode_chat_prompt(self.tokenizer, body.message_dicts(), body.tool_dicts(),
                                     template_kwargs)

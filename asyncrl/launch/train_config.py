@@ -218,7 +218,8 @@ class TrainRunConfig(Config):
 
     def _check_images(self) -> None:
         """A dataset whose rows carry images needs a vision-language model and the paths that
-        carry images today: the rlvr workflow on the in-process engine."""
+        carry images today: the rlvr workflow or an agent (through the proxy) on the in-process
+        engine."""
         if not getattr(type(self.data), "has_images", False):
             return
         kind = f"data.kind={self.data.kind!r} has images"
@@ -229,9 +230,9 @@ class TrainRunConfig(Config):
             raise ValueError(f"{kind}, but model.path ({what}) is a text-only model; set it to a "
                              "vision-language model (e.g. `asyncrl build-model OUT --preset "
                              "tiny-vl`), or warm_start.tiny.arch to 'qwen2_vl'")
-        if self.workflow.kind != "rlvr":
+        if self.workflow.kind not in ("rlvr", "agent"):
             raise ValueError(f"{kind}: workflow.kind={self.workflow.kind!r} does not pass images "
-                             "yet; allowed: rlvr")
+                             "yet; allowed: rlvr, agent (image_url parts through the proxy)")
         if self.inference.mode != "inprocess":
             raise ValueError(f"{kind}: inference.mode={self.inference.mode!r} does not send "
                              "images yet; allowed: inprocess")

@@ -113,7 +113,8 @@ class AgentWorkflowConfig(AgentConfig):
                             "or an agent passed to Trainer.train(workflow=...)")
         try:
             proxy = ProxyServer(ctx.engine, ctx.tokenizer, self.proxy,
-                                context_length=ctx.context_length, chat=ctx.chat)
+                                context_length=ctx.context_length, chat=ctx.chat,
+                                vision=ctx.vision)
             inner = AgentWorkflow(agent, proxy, self, eval_concurrency=ctx.eval.concurrency)
         except ValueError as err:
             raise UserError(f"workflow.path: {err}") from err

@@ -46,11 +46,16 @@ class ImagePrompt:
 
     def image_inputs(self) -> ImageInputs | None:
         """What a `Sample` of this prompt carries (None without images)."""
-        if not self.num_images:
-            return None
-        digest = hashlib.sha256(self.image_grid_thw.numpy().tobytes()
-                                + self.pixel_values.numpy().tobytes()).hexdigest()[:16]
-        return ImageInputs(self.pixel_values, self.image_grid_thw, digest)
+        return image_inputs(self.pixel_values, self.image_grid_thw)
+
+
+def image_inputs(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> ImageInputs | None:
+    """What a `Sample` carries of these processed images, with their digest (None for none)."""
+    if not grid_thw.shape[0]:
+        return None
+    digest = hashlib.sha256(grid_thw.numpy().tobytes()
+                            + pixel_values.numpy().tobytes()).hexdigest()[:16]
+    return ImageInputs(pixel_values, grid_thw, digest)
 
 
 def image_tokens(grid_thw: torch.Tensor, merge_size: int) -> list[int]:
@@ -154,16 +159,31 @@ class VisionPromptEncoder:
         if text.count(IMAGE_PAD) != len(pictures):
             raise ValueError(f"the chat template placed {text.count(IMAGE_PAD)} images but the "
                              f"messages hold {len(pictures)}: does it render image parts?")
+        pixels, grid = self.process(pictures)
+        return ImagePrompt(self.expand(text, self.tokens_per_image(grid)), pixels, grid)
+
+    def process(self, pictures: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel patches, grid sizes [images, 3]) of `pictures` from the image processor."""
         if not pictures:
-            return ImagePrompt(self.tokenizer.encode(text, add_special_tokens=False),
-                               torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long))
-        processed = self.image_processor(images=pictures, return_tensors="pt")
-        grid = processed["image_grid_thw"]
+            return torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
+        processed = self.image_processor(images=list(pictures), return_tensors="pt")
+        return processed["pixel_values"], processed["image_grid_thw"]
+
+    def tokens_per_image(self, grid: torch.Tensor) -> list[int]:
+        return image_tokens(grid, self.merge)
+
+    def expand(self, text: str, counts: Sequence[int]) -> list[int]:
+        """Token ids of rendered `text` whose k image placeholders are the last k images of
+        `counts` (tokens per image, in order): each placeholder repeated that many times. A text
+        continuing a conversation holds only its newest images, hence the last ones."""
         pieces = text.split(IMAGE_PAD)
-        expanded = pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in
-                                       zip(image_tokens(grid, self.merge), pieces[1:]))
-        return ImagePrompt(self.tokenizer.encode(expanded, add_special_tokens=False),
-                           processed["pixel_values"], grid)
+        k = len(pieces) - 1
+        if k > len(counts):
+            raise ValueError(f"the text holds {k} image placeholders but {len(counts)} images "
+                             "were given")
+        tail = list(counts)[len(counts) - k:]
+        expanded = pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(tail, pieces[1:]))
+        return self.tokenizer.encode(expanded, add_special_tokens=False)
 
 
 def vision_encoder(path: str | Path, trust_remote_code: bool = False

@@ -22,6 +22,9 @@ class ProxyConfig(Config):
     max_tokens_cap: int = pydantic.Field(
         1024, ge=1, description="upper bound on max_tokens; also the default when unset")
     max_n: int = pydantic.Field(16, ge=1, description="upper bound on `n` choices per request")
+    # image_url parts (a vision-language policy): data URLs always; file:// URLs only of files
+    # under this directory (None: none), never fetched from the network
+    image_dir: str | None = None
     # Longer than any client's idle-connection expiry (httpx: 5 s), so a client never reuses a
     # pooled connection the server is closing at that instant (an APIConnectionError mid-run).
     keep_alive_s: float = pydantic.Field(120.0, gt=0)

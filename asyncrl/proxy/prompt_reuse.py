@@ -13,6 +13,7 @@ disagreed with those ids (what this module prevents).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.models.chat import render_chat
@@ -52,12 +53,16 @@ def _matches(earlier: Completion, messages: list[dict[str, Any]],
 def build_prompt(tokenizer: Any, messages: list[dict[str, Any]],
                  tools: list[dict[str, Any]] | None,
                  history: list[Completion], template_kwargs: dict[str, Any] | None = None,
+                 encode: Callable[[str], list[int]] | None = None,
                  ) -> tuple[list[int], Completion | None, int]:
     """(prompt ids, the completion they continue or None, drift vs naive re-rendering);
-    `template_kwargs`: the chat template variables (ChatOptions.template_kwargs)."""
+    `template_kwargs`: the chat template variables (ChatOptions.template_kwargs); `encode`:
+    rendered text -> ids (default the tokenizer's; with images, one that expands the newest
+    images' placeholders: VisionPromptEncoder.expand)."""
     template_kwargs = template_kwargs or {}
+    encode = encode or (lambda text: tokenizer.encode(text, add_special_tokens=False))
     full_text = render_chat(tokenizer, messages, True, tools, template_kwargs)
-    naive = tokenizer.encode(full_text, add_special_tokens=False)
+    naive = encode(full_text)
     eos_text = tokenizer.eos_token or ""
     # Longest reusable conversation first; among equals the latest.
     for earlier in sorted(history, key=lambda c: (len(c.messages or []), c.turn), reverse=True):
@@ -71,8 +76,7 @@ def build_prompt(tokenizer: Any, messages: list[dict[str, Any]],
         after_reply = upto[end + len(eos_text):] + full_text[len(upto):]
         closed = bool(earlier.output_ids) and earlier.output_ids[-1] == tokenizer.eos_token_id
         delta = after_reply if closed else eos_text + after_reply
-        ids = (earlier.prompt_ids + earlier.output_ids
-               + tokenizer.encode(delta, add_special_tokens=False))
+        ids = earlier.prompt_ids + earlier.output_ids + encode(delta)
         return ids, earlier, drift(ids, naive)
     return naive, None, 0
 

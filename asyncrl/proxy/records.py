@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Any
 
 from asyncrl.api import Sample, StopReason
+from asyncrl.api.images import ImageInputs
 from asyncrl.proxy.errors import NotFoundError
 
 
@@ -30,12 +31,15 @@ class Completion:
     # the chat template variables the prompt was rendered with (a later turn reuses this
     # prompt only when rendered with the same ones)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    images: ImageInputs | None = None  # the prompt's images (every one of the conversation)
 
     def sample(self, reward: float) -> Sample:
-        return Sample.from_prompt_and_completion(
+        sample = Sample.from_prompt_and_completion(
             self.prompt_ids, self.output_ids, self.logprobs, self.versions, reward=reward,
             stop_reason=self.stop_reason,
             metadata={"completion_id": self.id, "turn": self.turn, "tool_calls": self.tool_calls})
+        sample.images = self.images
+        return sample
 
     @property
     def tool_calls(self) -> int:

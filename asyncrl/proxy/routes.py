@@ -4,7 +4,10 @@ Each of the `n` choices is one engine request. The reply text is decoded from th
 ids (cut before a stop string, as OpenAI does) and read with the model's chat options: `<think>`
 reasoning becomes `reasoning_content`, and with `tools` in the request the model's tool-call
 format (`model.tool_parser`) becomes `tool_calls` (malformed calls stay plain content). The
-prompt is rendered with `model.chat_template_kwargs` under the request's own. Streaming replays
+prompt is rendered with `model.chat_template_kwargs` under the request's own. With a
+vision-language policy, `image_url` parts (data URLs; file URLs under `image_dir`) become the
+request's images, their placeholders expanded as the trainer's are, and every completion keeps
+them. Streaming replays
 the finished choices as SSE chunks: the engine protocol returns whole sequences, and recording
 needs them anyway.
 """
@@ -14,14 +17,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, ModelResponse
+from asyncrl.api.images import ImageInputs
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, OpenAISampling
 from asyncrl.inference.openai_routes import FINISH, replay_chat, reply_text, sse, usage
 from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.chat_options import ChatOptions
+from asyncrl.models.vision import VisionPromptEncoder, image_inputs, load_image
 from asyncrl.proxy.config import ProxyConfig
 from asyncrl.proxy.errors import SessionEndedError
 from asyncrl.proxy.prompt_reuse import build_prompt
@@ -32,8 +39,9 @@ stream_chat = replay_chat  # a finished chat completion as SSE chunks (shared wi
 
 class ProxyRoutes:
     def __init__(self, engine: InferenceEngine, tokenizer: Any, cfg: ProxyConfig,
-                 context_length: int | None, chat: ChatOptions | None = None) -> None:
-        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+                 context_length: int | None, chat: ChatOptions | None = None,
+                 vision: VisionPromptEncoder | None = None) -> None:
+        self.engine, self.tokenizer, self.cfg, self.vision = engine, tokenizer, cfg, vision
         self.chat_options = chat or ChatOptions()
         self.context_length = context_length
         self.stats = {"completions": 0, "reused_prompts": 0, "prompt_drift_tokens": 0,
@@ -60,9 +68,9 @@ class ProxyRoutes:
         return stop_at_eos(body.gconfig(max_new), self.tokenizer)
 
     async def generate(self, prompts: list[list[int]], g: GenerationConfig,
-                       n: int) -> list[ModelResponse]:
+                       n: int, images: ImageInputs | None = None) -> list[ModelResponse]:
         reqs = [ModelRequest(input_ids=ids, gconfig=g.replace(
-                    seed=None if g.seed is None else g.seed + i))
+                    seed=None if g.seed is None else g.seed + i), images=images)
                 for ids in prompts for i in range(n)]
         return list(await asyncio.gather(*(self.engine.agenerate(r) for r in reqs)))
 
@@ -75,10 +83,12 @@ class ProxyRoutes:
         require_active(session)
         messages, tools = body.message_dicts(), body.tool_dicts()
         template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
+        images, encode = self.images(messages) if body.has_images() else (None, None)
         prompt, parent, drift = build_prompt(self.tokenizer, messages, tools,
-                                             list(session.completions.values()), template_kwargs)
+                                             list(session.completions.values()), template_kwargs,
+                                             encode)
         g = self.gconfig(body, self.budget(len(prompt), body.requested_max_tokens()))
-        outs = await self.generate([prompt], g, body.n)
+        outs = await self.generate([prompt], g, body.n, images)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         parse = bool(body.tools) and body.tool_choice != "none"
         records, choices = [], []
@@ -89,7 +99,7 @@ class ProxyRoutes:
             self.stats["tool_calls"] += len(reply.tool_calls or [])
             self.stats["malformed_tool_calls"] += reply.malformed_tool_call
             records.append(self.record(session, rid, i, body.n, prompt, out, message,
-                                       messages, tools, parent, drift, template_kwargs))
+                                       messages, tools, parent, drift, template_kwargs, images))
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": self.chat_logprobs(out)} if body.logprobs
                             else None,
@@ -105,14 +115,48 @@ class ProxyRoutes:
     def record(self, session: Session, rid: str, i: int, n: int, prompt: list[int],
                out: ModelResponse, message: dict[str, Any], messages: list[dict] | None,
                tools: list[dict] | None, parent: Completion | None, drift: int,
-               template_kwargs: dict[str, Any] | None = None) -> Completion:
+               template_kwargs: dict[str, Any] | None = None,
+               images: ImageInputs | None = None) -> Completion:
         self.stats["completions"] += 1
         return Completion(id=rid if n == 1 else f"{rid}:{i}", turn=len(session.turns),
                           prompt_ids=list(prompt), output_ids=list(out.output_tokens),
                           logprobs=list(out.output_logprobs), versions=list(out.output_versions),
                           stop_reason=out.stop_reason, messages=messages, tools=tools,
                           message=message, parent=parent.id if parent else None,
-                          retokenize_drift=drift, template_kwargs=template_kwargs or {})
+                          retokenize_drift=drift, template_kwargs=template_kwargs or {},
+                          images=images)
+
+    def images(self, messages: list[dict[str, Any]]
+               ) -> tuple[ImageInputs | None, Callable[[str], list[int]]]:
+        """The conversation's images (every image_url part, in order) and the text encoder that
+        expands their placeholders; ValueError (a 400) for a text-only policy or a URL this
+        proxy does not read."""
+        if self.vision is None:
+            raise ValueError("messages: image_url parts need a vision-language policy; this "
+                             "one reads text only")
+        pictures = [load_image(self.image_url(part["image_url"]["url"]))
+                    for m in messages if isinstance(m.get("content"), list)
+                    for part in m["content"] if part.get("type") == "image_url"]
+        pixels, grid = self.vision.process(pictures)
+        counts = self.vision.tokens_per_image(grid)
+        return image_inputs(pixels, grid), lambda text: self.vision.expand(text, counts)
+
+    def image_url(self, url: str) -> str | Path:
+        """A data URL as it is; a file:// URL as its path when under `cfg.image_dir`."""
+        if url.startswith("data:"):
+            return url
+        if url.startswith("file://"):
+            if self.cfg.image_dir is None:
+                raise ValueError("image_url: file:// URLs are not read by this proxy (its "
+                                 "image_dir is unset); send a data:image/...;base64 URL")
+            root = Path(self.cfg.image_dir).resolve()
+            path = Path(unquote(urlsplit(url).path)).resolve()
+            if not path.is_relative_to(root):
+                raise ValueError(f"image_url {url[:80]!r}: outside the directory this proxy "
+                                 f"reads images from ({root})")
+            return path
+        raise ValueError(f"image_url {url[:40]!r}...: allowed a data:image/...;base64 URL or a "
+                         "file:// URL under the proxy's image_dir (nothing is fetched)")
 
     def chat_logprobs(self, out: ModelResponse) -> list[dict]:
         toks = [self.tokenizer.decode([t]) for t in out.output_tokens]

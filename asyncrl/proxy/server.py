@@ -47,13 +47,15 @@ def bearer(authorization: str | None) -> str | None:
 class ProxyServer:
     def __init__(self, engine: InferenceEngine, tokenizer: Any, cfg: ProxyConfig | None = None,
                  admission: Callable[[], int] | None = None,
-                 context_length: int | None = None, chat: ChatOptions | None = None) -> None:
+                 context_length: int | None = None, chat: ChatOptions | None = None,
+                 vision: Any = None) -> None:
         self.cfg = cfg or ProxyConfig()
         self.admin_key = self.cfg.admin_key or f"sk-admin-{secrets.token_hex(24)}"
         self.store = SessionStore(self.admin_key, self.cfg.session_timeout_s,
                                   self.cfg.max_sessions, admission)
-        # chat: the model's template variables and reply parsers (ModelConfig is one)
-        self.routes = ProxyRoutes(engine, tokenizer, self.cfg, context_length, chat)
+        # chat: the model's template variables and reply parsers (ModelConfig is one); vision:
+        # a vision-language policy's VisionPromptEncoder (image_url parts)
+        self.routes = ProxyRoutes(engine, tokenizer, self.cfg, context_length, chat, vision)
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -187,4 +189,5 @@ class ProxyServer:
 def sample_json(s: Any) -> dict[str, Any]:
     return {"input_ids": s.input_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
             "versions": s.versions, "reward": s.reward, "token_rewards": s.token_rewards,
-            "stop_reason": s.stop_reason.value, "metadata": s.metadata}
+            "stop_reason": s.stop_reason.value, "metadata": s.metadata,
+            "image_digest": s.images.digest if s.images is not None else None}
