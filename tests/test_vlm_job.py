@@ -75,3 +75,39 @@ def test_image_data_with_a_text_model_is_refused_when_the_config_loads():
         SFTRunConfig.from_dict({"data": {"kind": "counting"}})
     with pytest.raises(ValueError, match="warm_start.tiny.arch='qwen2'.*text-only"):
         TrainRunConfig.from_dict({"data": {"kind": "counting"}})
+
+
+def test_a_row_whose_image_cannot_be_decoded_is_rejected_and_the_run_goes_on(vl_dir, tmp_path,
+                                                                             caplog):
+    """One train row and one eval row of a jsonl file carry a corrupt image: the rollout of the
+    train row is rejected with its reason, the eval leaves its row out and says so, the rest
+    trains."""
+    import base64
+    import io
+
+    from asyncrl.data.counting import CountingTaskConfig
+
+    def data_url(img) -> str:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    scenes = CountingTaskConfig(num_train=12, num_eval=0, max_objects=3).build().train_rows()
+    broken = "data:image/png;base64,AAAA"
+    lines = [{"id": r["id"], "question": "<image>How many objects are there?",
+              "answer": r["answer"], "images": [data_url(r["images"][0])]} for r in scenes]
+    lines[0]["images"], lines[-1]["images"] = [broken], [broken]
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps(x) + "\n" for x in lines[:8]))
+    evals.write_text("".join(json.dumps(x) + "\n" for x in lines[8:]))
+    run = tmp_path / "run"
+    cfg = counting_config(vl_dir, run, data={"kind": "jsonl", "path": str(train),
+                                             "eval_path": str(evals)},
+                          total_steps=2, **{"eval.size": 4})
+    result = Trainer(cfg).train()
+    assert result.steps == 2
+    evals_logged = [m for m in metrics(run) if "eval/skipped_problems" in m]
+    assert evals_logged and all(m["eval/skipped_problems"] == 1 and m["eval/num_problems"] == 3
+                                for m in evals_logged)
+    rejected = [r.getMessage() for r in caplog.records if "cannot be decoded" in r.getMessage()]
+    assert rejected and "on data id=" in rejected[0]

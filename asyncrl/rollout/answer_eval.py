@@ -102,6 +102,7 @@ class EvalResult:
     seconds: float
     mean_sample_reward: float | None  # None when no samples were drawn
     records: list[ProblemRecord] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # rows left out (an undecodable image), why
 
     def summary(self) -> dict[str, float]:
         out = {"eval/greedy_accuracy": self.greedy_accuracy}
@@ -109,6 +110,8 @@ class EvalResult:
         if self.mean_sample_reward is not None:
             out["eval/mean_sample_reward"] = self.mean_sample_reward
         out["eval/num_problems"] = float(self.num_problems)
+        if self.skipped:
+            out["eval/skipped_problems"] = float(len(self.skipped))
         out["eval/seconds"] = self.seconds
         return out
 
@@ -117,6 +120,8 @@ class EvalResult:
 
     def report(self) -> EvalReport:
         detail = "".join(f", pass@{k} {v:.1%}" for k, v in self.pass_at_k.items())
+        if self.skipped:
+            detail += f"; {len(self.skipped)} rows skipped, e.g. {self.skipped[0]}"
         answers = {r.id: (r.greedy_completion, r.greedy_reward) for r in self.records}
         return EvalReport(self.greedy_accuracy, "greedy accuracy", self.summary(), detail,
                           answers)
@@ -143,8 +148,6 @@ async def evaluate(
     """
     from asyncrl.models.chat import stop_at_eos  # asyncrl.models: torch
     from asyncrl.models.chat_options import ChatOptions
-    from asyncrl.models.vision import row_prompt
-
     chat = chat or ChatOptions()
     kwargs = chat.template_kwargs()
 
@@ -152,7 +155,7 @@ async def evaluate(
         raise ValueError("evaluate: rows is empty; need at least one problem")
     start = time.perf_counter()
     n = cfg.samples_per_problem
-    prompts, images = zip(*(row_prompt(tokenizer, vision, row, kwargs) for row in rows))
+    rows, prompts, images, skipped = _prompts(tokenizer, vision, rows, kwargs)
     greedy = stop_at_eos(GenerationConfig(greedy=True, max_new_tokens=cfg.max_new_tokens),
                          tokenizer)
     sampled = stop_at_eos(GenerationConfig(temperature=cfg.temperature,
@@ -200,8 +203,31 @@ async def evaluate(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return _result(rows, greedy_text, greedy_reward, sample_rewards, cfg,
-                   time.perf_counter() - start)
+    result = _result(rows, greedy_text, greedy_reward, sample_rewards, cfg,
+                     time.perf_counter() - start)
+    result.skipped = skipped
+    return result
+
+
+def _prompts(tokenizer: Any, vision: Any, rows: Sequence[dict[str, Any]],
+             kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], list, list, list[str]]:
+    """(the rows whose prompt could be built, their prompts, their images, why each other row was
+    left out): a row whose image cannot be decoded is skipped with its reason, not fatal."""
+    from asyncrl.models.vision import row_prompt
+
+    kept, prompts, images, skipped = [], [], [], []
+    for i, row in enumerate(rows):
+        try:
+            ids, pictures = row_prompt(tokenizer, vision, row, kwargs)
+        except ValueError as err:
+            skipped.append(f"eval problem {row.get('id', i)}: {err}")
+            continue
+        kept.append(row)
+        prompts.append(ids)
+        images.append(pictures)
+    if not kept:
+        raise ValueError(f"evaluate: no row has a usable prompt; first: {skipped[0]}")
+    return kept, prompts, images, skipped
 
 
 def _result(rows, greedy_text, greedy_reward, sample_rewards, cfg: EvalConfig,
