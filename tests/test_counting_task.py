@@ -95,3 +95,15 @@ def test_clevr_count_layout_loads_from_the_hub_cache_with_its_images(tmp_path, m
     encoder = VisionPromptEncoder.from_model_dir(build_preset_model("tiny-vl", tmp_path / "vl"))
     prompt = encoder.encode(first["messages"], first["images"])
     assert prompt.num_images == 1 and prompt.input_ids.count(encoder.pad_id) == 4  # 56 px: 2x2
+
+
+def test_cells_layout_puts_each_object_in_a_cell_of_its_own():
+    cfg = CountingTaskConfig(num_train=20, num_eval=0, max_objects=6)
+    for row in cfg.build().train_rows():
+        cells = {(o["box"][0] // 28, o["box"][1] // 28) for o in row["objects"]}
+        assert len(cells) == len(row["objects"]) == int(row["answer"])
+        assert all(b[0] // 28 == (b[2] - 1) // 28 and b[1] // 28 == (b[3] - 1) // 28
+                   for b in (o["box"] for o in row["objects"]))
+    with pytest.raises(ValueError, match="max_objects=12 does not fit the 4 cells"):
+        CountingTaskConfig(image_size=56, max_objects=12)
+    assert CountingTaskConfig(image_size=56, max_objects=12, layout="free").max_objects == 12
