@@ -44,7 +44,7 @@ def request(p, rid: str, tokens: int = 8) -> ModelRequest:
 
 def test_image_prompts_sample_with_the_trainers_logprobs(vl_dir):
     engine = LLMEngine(EngineConfig(model_path=str(vl_dir)))
-    assert type(engine.runner).__name__ == "HFModelRunner" and engine.max_seq_len == 2048
+    assert type(engine.runner).__name__ == "HFModelRunner" and engine.max_seq_len == 1024
     prompts = [prompt(vl_dir, 2), prompt(vl_dir, 3, (112, 56))]
     responses = engine.generate([request(p, f"r{i}") for i, p in enumerate(prompts)])
     samples = []
@@ -88,6 +88,10 @@ def test_requests_the_engine_cannot_serve_are_refused(vl_dir, tmp_path):
                          images=p.image_inputs())  # 4 of its 16 image tokens dropped
     with pytest.raises(ValueError, match="image tokens but its images' grids need 16"):
         engine.add_request(short)
+    # image tokens without the images (a prompt encoded as text): refused here, not a failed
+    # step for every request batched with it
+    with pytest.raises(ValueError, match="has 16 image tokens but its images' grids need 0"):
+        engine.add_request(ModelRequest(p.input_ids))
     text = LLMEngine(EngineConfig(model_path=str(build_tiny_model(TinyModelConfig(),
                                                                   tmp_path / "text"))))
     with pytest.raises(ValueError, match="native engine runs text models only"):

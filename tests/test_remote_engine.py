@@ -383,7 +383,7 @@ def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_di
     same, other = load_causal_lm(model_dir), load_causal_lm(new_weights)
 
     def scorer(model):
-        def score(prompt, output):
+        def score(prompt, output, images=None):
             ids = torch.tensor([prompt + output])
             with torch.no_grad():
                 logits = model(ids).logits[0, len(prompt) - 1:-1].float()

@@ -34,10 +34,14 @@ def counting_config(vl_dir, out, **over):
 
 def test_a_vlm_trains_on_images_and_resumes(vl_dir, tmp_path):
     run = tmp_path / "run"
-    result = Trainer(counting_config(vl_dir, run)).train()
+    # the logprob canary after every push: its prompts carry their images too
+    result = Trainer(counting_config(vl_dir, run,
+                                     **{"inference.check_logprobs_every": 1})).train()
     assert result.steps == 3 and result.final_accuracy is not None
     steps = [m for m in metrics(run) if "perf/train_s" in m]
     assert len(steps) == 3 and all(m["batch/tokens"] > 0 for m in steps)
+    checked = [m["weight_check/max_abs_diff"] for m in steps if "weight_check/max_abs_diff" in m]
+    assert len(checked) == 3 and max(checked) < 1e-3
     dumped = [json.loads(line) for f in sorted((run / "rollouts").glob("*.jsonl"))
               for line in f.read_text().splitlines()]
     assert dumped and all(d["answer"].isdigit() and len(d["image_digest"]) == 16 for d in dumped)

@@ -13,7 +13,7 @@ from asyncrl.launch.weight_check import LogprobCheck, WeightCheckError
 LOGPROBS = torch.log_softmax(torch.linspace(-2, 2, 16), -1)
 
 
-def score(prompt, output):
+def score(prompt, output, images=None):
     return [LOGPROBS[t].item() for t in output]
 
 

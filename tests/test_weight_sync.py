@@ -138,7 +138,7 @@ def test_in_process_canary_stops_a_corrupted_push(model_dir, tmp_path):
 
     model = perturbed(model_dir, seed=1)
 
-    def score(prompt, output):
+    def score(prompt, output, images=None):
         assert prompt == PROMPT
         return trainer_logprobs(model, output).tolist()
 

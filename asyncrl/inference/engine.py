@@ -147,8 +147,7 @@ class LLMEngine:
             )
         if g.stop and self.detokenize is None:
             raise ValueError(f"stop={g.stop} needs an engine built with a detokenize callback")
-        if req.images is not None:
-            self.runner.check_images(req.input_ids, req.images)
+        self.runner.check_images(req.input_ids, req.images)
         if req.rid in self._rids:
             raise ValueError(f"request id {req.rid!r} is already in flight")
 

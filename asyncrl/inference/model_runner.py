@@ -35,7 +35,8 @@ class Runner(Protocol):
     def load_weights(self, weights: Mapping[str, torch.Tensor], strict: bool = True) -> None: ...
 
     def check_images(self, input_ids: list[int], images: Any) -> None:
-        """Raise ValueError unless this runner can serve a prompt with these images."""
+        """Raise ValueError unless this runner can serve this prompt with these images (None:
+        a text prompt)."""
 
 
 def read_hf_config(path: str | Path) -> dict:
@@ -134,6 +135,8 @@ class ModelRunner:
         self.model.load_weights(weights, strict=strict)
 
     def check_images(self, input_ids: list[int], images: Any) -> None:
+        if images is None:
+            return
         raise ValueError("the native engine runs text models only; a prompt with images needs "
                          "a vision-language model, which the engine serves with backend 'hf' "
                          "(engine.backend auto picks it for such a model)")
@@ -161,17 +164,21 @@ class HFModelRunner:
         self.pad_id = 0
 
     def check_images(self, input_ids: list[int], images: Any) -> None:
-        if not self.vision:
+        if images is not None and not self.vision:
             raise ValueError(f"{type(self.model).__name__} is a text-only model; a prompt with "
                              "images needs a vision-language model")
+        if not self.vision:
+            return
         from asyncrl.models.vision import image_tokens
 
         cfg = self.model.config
-        want = sum(image_tokens(images.grid_thw, cfg.vision_config.spatial_merge_size))
+        want = (0 if images is None else
+                sum(image_tokens(images.grid_thw, cfg.vision_config.spatial_merge_size)))
         got = input_ids.count(cfg.image_token_id)
         if got != want:
             raise ValueError(f"the prompt has {got} image tokens but its images' grids need "
-                             f"{want}: encode it with models/vision.py's VisionPromptEncoder")
+                             f"{want}: encode it with models/vision.py's VisionPromptEncoder "
+                             "(a prompt without images must hold no image token)")
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:

@@ -243,17 +243,17 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
         if reward is None:
             reward = stack.enter_context(open_run_reward(cfg.reward))
         lora = lora_enabled(cfg.train.lora)
+        vision = vision_encoder(base, cfg.model.trust_remote_code)
         engines = stack.enter_context(open_rollout_engines(
             cfg.inference.trusting(cfg.model.trust_remote_code), base, job.run_dir / "logs",
             cfg.launcher.build(), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             shard_size=cfg.checkpoint_shard_size,
             lora=LoraServing(cfg.train.lora.r, cfg.rollout.max_head_offpolicyness + 1)
             if lora else None,
-            check=logprob_check(cfg, group, tokenizer, eval_rows),
+            check=logprob_check(cfg, group, tokenizer, eval_rows, vision),
             adapter=adapter_spec(cfg, trainer) if lora else None))
         ctx = WorkflowContext(tokenizer, engines.engine, reward, cfg.gconfig, cfg.model,
-                              cfg.eval, context_length(cfg, trainer),
-                              vision_encoder(base, cfg.model.trust_remote_code))
+                              cfg.eval, context_length(cfg, trainer), vision)
         workflow = the_workflow(job, ctx)
         evaluator = evaluator_for(job.eval_workflow, workflow, ctx, cfg.eval.concurrency)
         rollout_cfg = cfg.rollout.model_copy(
@@ -306,18 +306,27 @@ def context_length(cfg: TrainRunConfig, trainer: Any) -> int | None:
 
 
 def logprob_check(cfg: TrainRunConfig, group: TrainerGroup, tokenizer: Any,
-                  eval_rows: list[dict[str, Any]]) -> LogprobCheck | None:
-    """The post-update canary: the first two eval rows' prompts (in-distribution text)."""
-    from asyncrl.models.chat import encode_chat_prompt
+                  eval_rows: list[dict[str, Any]], vision: Any) -> LogprobCheck | None:
+    """The post-update canary: the first two eval rows' prompts (in-distribution, with their
+    images through `vision` for a vision-language model); rows whose prompt cannot be built (an
+    undecodable image) are passed over."""
+    from asyncrl.models.vision import row_prompt
 
-    rows = [r for r in eval_rows[:2] if "messages" in r]
-    if not rows:
-        return None
     kwargs = cfg.model.template_kwargs()
-    prompts = [encode_chat_prompt(tokenizer, r["messages"], template_kwargs=kwargs)
-               for r in rows]
+    prompts, images = [], []
+    for row in (r for r in eval_rows if "messages" in r):
+        try:
+            ids, pictures = row_prompt(tokenizer, vision, row, kwargs)
+        except ValueError:
+            continue
+        prompts.append(ids)
+        images.append(pictures)
+        if len(prompts) == 2:
+            break
+    if not prompts:
+        return None
     return LogprobCheck(group.score, prompts, cfg.gconfig.temperature,
-                        cfg.inference.check_logprobs_tolerance)
+                        cfg.inference.check_logprobs_tolerance, images=images)
 
 
 def adapter_spec(cfg: TrainRunConfig, trainer: Any) -> AdapterSpec:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from asyncrl.api import Sample, Trajectory
+from asyncrl.api.images import ImageInputs
 from asyncrl.launch.run_checkpoints import RunCheckpointer
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.parallel import Parallelism, SingleProcess
@@ -47,11 +48,12 @@ class TrainerGroup:
         self._command("train", trajs)
         return self.actor.train_step(trajs)
 
-    def score(self, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
-        """The trainer's logprobs of `output_ids` after `prompt_ids` (every rank computes them:
-        under FSDP the forward is collective)."""
-        self._command("score", (prompt_ids, output_ids))
-        return _score(self.trainer, prompt_ids, output_ids)
+    def score(self, prompt_ids: list[int], output_ids: list[int],
+              images: ImageInputs | None = None) -> list[float]:
+        """The trainer's logprobs of `output_ids` after `prompt_ids` (with the prompt's
+        `images`; every rank computes them: under FSDP the forward is collective)."""
+        self._command("score", (prompt_ids, output_ids, images))
+        return _score(self.trainer, prompt_ids, output_ids, images)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What the engines are sent (on rank 0): the full weights, or with train.lora the
@@ -93,7 +95,9 @@ class TrainerGroup:
                 raise RuntimeError(f"unknown trainer command {name!r} from rank 0")
 
 
-def _score(trainer: HFTrainEngine, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+def _score(trainer: HFTrainEngine, prompt_ids: list[int], output_ids: list[int],
+           images: ImageInputs | None = None) -> list[float]:
     n = len(output_ids)
     sample = Sample.from_prompt_and_completion(prompt_ids, output_ids, [0.0] * n, [0] * n)
+    sample.images = images
     return trainer.forward([sample])[0][-n:].tolist() if n else []

@@ -11,9 +11,10 @@ temperature all show up here, and would otherwise only bias the loss's importanc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from asyncrl.api import GenerationConfig, ModelRequest, ServingEngine
+from asyncrl.api.images import ImageInputs
 from asyncrl.errors import UserError
 
 
@@ -22,15 +23,19 @@ class WeightCheckError(UserError):
     server set-up the user fixes; the CLI prints the message as one line)."""
 
 
-Scorer = Callable[[list[int], list[int]], list[float]]  # (prompt ids, output ids) -> logprobs
+# (prompt ids, output ids, the prompt's images or None) -> logprobs
+Scorer = Callable[[list[int], list[int], ImageInputs | None], list[float]]
 
 
 class LogprobCheck:
     def __init__(self, score: Scorer, prompts: list[list[int]], temperature: float,
-                 tolerance: float, new_tokens: int = 4) -> None:
+                 tolerance: float, new_tokens: int = 4,
+                 images: Sequence[ImageInputs | None] | None = None) -> None:
+        """`images`: each prompt's images (a vision-language model's canary), else None."""
         if not prompts:
             raise ValueError("LogprobCheck needs at least one canary prompt")
         self.score, self.prompts = score, [list(p) for p in prompts]
+        self.images = list(images) if images is not None else [None] * len(prompts)
         self.gconfig = GenerationConfig(max_new_tokens=new_tokens, temperature=temperature,
                                         top_p=1.0, top_k=0)
         self.tolerance = tolerance
@@ -39,17 +44,19 @@ class LogprobCheck:
         """Probe every healthy server of `engine` (or the in-process engine); raise
         WeightCheckError if one is off; return the worst engine's mean and max differences."""
         results = []
-        for i, prompt in enumerate(self.prompts):
-            req = ModelRequest(prompt, self.gconfig, rid=f"logprob-check-v{version}-{i}")
-            results += await engine.generate_on_each(req)
+        for i, (prompt, images) in enumerate(zip(self.prompts, self.images)):
+            req = ModelRequest(prompt, self.gconfig, rid=f"logprob-check-v{version}-{i}",
+                               images=images)
+            results += [(address, resp, images)
+                        for address, resp in await engine.generate_on_each(req)]
         if not results:
             raise WeightCheckError(f"no healthy server to probe at weight version {version}")
         worst_mean = worst_max = 0.0
-        for address, resp in results:
+        for address, resp, images in results:
             if not resp.output_tokens:  # EOS first: nothing to compare, and nothing wrong
                 continue
             try:
-                ours = self.score(list(resp.input_tokens), list(resp.output_tokens))
+                ours = self.score(list(resp.input_tokens), list(resp.output_tokens), images)
             except (IndexError, RuntimeError) as err:  # e.g. token ids past the trainer's vocab
                 raise WeightCheckError(
                     f"{address} at weight version {version}: the trainer cannot score the "
@@ -68,4 +75,4 @@ class LogprobCheck:
                     "inference.check_logprobs_tolerance sets the bound")
             worst_mean, worst_max = max(worst_mean, mean), max(worst_max, top)
         return {"weight_check/mean_abs_diff": worst_mean, "weight_check/max_abs_diff": worst_max,
-                "weight_check/tokens": float(sum(len(r.output_tokens) for _, r in results))}
+                "weight_check/tokens": float(sum(len(r.output_tokens) for _, r, _ in results))}

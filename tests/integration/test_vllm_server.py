@@ -239,7 +239,7 @@ def test_logprob_check_catches_a_reload_that_left_a_tied_head_stale(vllm_python,
         engine = engine_for(tied.urls)
         g = GenerationConfig(max_new_tokens=32, temperature=1.0, top_p=1.0, top_k=0)
 
-        def score(prompt, output):
+        def score(prompt, output, images=None):
             return hf_logprobs(v1_model, prompt, output)
 
         async def run():
