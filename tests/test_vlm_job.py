@@ -14,11 +14,13 @@ from test_train_loop import metrics, small_config
 from PIL import Image
 
 from asyncrl import Trainer
+from asyncrl.launch.evaluate import run_eval_job
 from asyncrl.launch.sft import run_sft_job
 from asyncrl.launch.sft_config import SFTRunConfig
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.models.presets import build_preset_model
 from asyncrl.models.vision import VisionPromptEncoder
+from asyncrl.rollout.answer_eval import EvalConfig
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,10 @@ def test_a_vlm_trains_on_images_and_resumes(vl_dir, tmp_path):
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "policy" / "preprocessor_config.json").is_file()
     VisionPromptEncoder.from_model_dir(latest / "policy")
+    # `asyncrl eval` on the checkpoint: greedy accuracy and pass@k with the images
+    evaluated = run_eval_job(latest / "policy", "{kind: counting, num_eval: 4, max_objects: 3}",
+                             EvalConfig(max_new_tokens=3, pass_k=[2]), reward="clevr_count_70k")
+    assert evaluated.num_problems == 4 and set(evaluated.pass_at_k) == {2}
     # the evaluations, drawn: the eval rows' scenes with the model's answers
     for name in ("eval_grid_initial.png", "eval_grid.png"):
         with Image.open(run / name) as grid:

@@ -84,16 +84,24 @@ def parse_k_list(text: str, flag: str = "--k") -> list[int]:
 
 
 def _check_lengths(model_dir: Path, tokenizer: Any, rows: list[dict[str, Any]],
-                   max_new_tokens: int) -> int:
-    """The context the longest problem needs (so the KV cache is no larger than that); UserError
-    when it exceeds the model's window."""
+                   max_new_tokens: int, vision: Any = None) -> int:
+    """The context the longest problem needs (so the KV cache is no larger than that; a
+    vision-language model's prompts with their image tokens); UserError when it exceeds the
+    model's window."""
     from asyncrl.inference.model_runner import read_hf_config
-    from asyncrl.models.chat import encode_chat_prompt
+    from asyncrl.models.vision import row_prompt
 
-    lengths = [len(encode_chat_prompt(tokenizer, row["messages"])) for row in rows]
+    def length(row: dict[str, Any]) -> int:
+        try:
+            return len(row_prompt(tokenizer, vision, row)[0])
+        except ValueError:  # an undecodable image: evaluate leaves the row out, saying why
+            return 0
+
+    lengths = [length(row) for row in rows]
     longest = max(range(len(rows)), key=lengths.__getitem__)
     needed = lengths[longest] + max_new_tokens
-    window = read_hf_config(model_dir).get("max_position_embeddings", needed)
+    hf_config = read_hf_config(model_dir)
+    window = (hf_config.get("text_config") or hf_config).get("max_position_embeddings", needed)
     if needed > window:
         raise UserError(f"problem {rows[longest].get('id')}: prompt ({lengths[longest]} tokens) "
                         f"+ --max-new-tokens ({max_new_tokens}) = {needed} exceeds the model's "
@@ -174,6 +182,7 @@ def run_eval_job(
     bad flags without spending seconds importing torch and transformers.
     """
     from asyncrl.models.loading import load_tokenizer, resolve_model_path
+    from asyncrl.models.vision import vision_encoder
 
     console = console or Console(stderr=True)
     if limit is not None and limit < 1:
@@ -181,7 +190,8 @@ def run_eval_job(
     model_dir = find_policy_dir(resolve_model_path(model_path, setting="checkpoint"))
     rows = load_eval_rows(data)[:limit]
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
-    max_seq_len = _check_lengths(model_dir, tokenizer, rows, cfg.max_new_tokens)
+    vision = vision_encoder(model_dir, trust_remote_code)
+    max_seq_len = _check_lengths(model_dir, tokenizer, rows, cfg.max_new_tokens, vision)
     n = cfg.samples_per_problem
     sampling = f" + {n} samples at T={cfg.temperature}" if n else ""
     console.print(f"eval: model {model_dir}", soft_wrap=True)  # paths stay greppable: no wrap
@@ -200,7 +210,8 @@ def run_eval_job(
                 await startup()  # server checks on the loop the evaluation uses
                 return await evaluate(
                     engine, tokenizer, rows, reward_fn, cfg,
-                    on_progress=lambda done, total: progress.update(task, completed=done))
+                    on_progress=lambda done, total: progress.update(task, completed=done),
+                    vision=vision)
 
             result = run_to_completion(checked_eval)
     print_summary(console, result, "eval summary")
