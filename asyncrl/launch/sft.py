@@ -97,10 +97,10 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int,
     prompts, targets, images = [], [], []
     for r in rows:
         conv = r.get("conversation") is not None
-        ids, target = (first_turn(tokenizer, r, template_kwargs) if conv else (None, None))
-        pictures = None
-        if not conv:
-            ids, pictures = row_prompt(tokenizer, vision, r, template_kwargs)
+        if conv:
+            (ids, target), pictures = first_turn(tokenizer, r, template_kwargs), None
+        else:
+            (ids, pictures), target = row_prompt(tokenizer, vision, r, template_kwargs), None
         prompts.append(ids)
         targets.append(target)
         images.append(pictures)
