@@ -92,3 +92,21 @@ class DigitAgent:
         r = await client.chat.completions.create(model="default", messages=data["messages"],
                                                  max_tokens=6)
         return 1.0 if any(c.isdigit() for c in r.choices[0].message.content or "") else 0.0
+
+
+class ImageAgent:
+    """Shows the model the row's scene as a data URL image part; reward: the count, exactly."""
+
+    async def run(self, data, **kw):
+        import base64
+        import io
+
+        buf = io.BytesIO()
+        data["images"][0].save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        client = AsyncOpenAI(base_url=kw["base_url"], api_key=kw["api_key"],
+                             http_client=kw["http_client"], max_retries=0)
+        r = await client.chat.completions.create(model="default", max_tokens=3, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": data["question"]}]}])
+        return float((r.choices[0].message.content or "").strip() == data["answer"])
