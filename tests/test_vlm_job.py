@@ -127,10 +127,10 @@ def test_an_agent_shows_the_policy_images_through_the_proxy_and_trains(vl_dir, t
     """workflow kind agent on image rows: the agent sends each scene as an image_url part; the
     recorded samples carry the image and train."""
     run = tmp_path / "run"
-    cfg = counting_config(vl_dir, run, total_steps=2, workflow={
+    cfg = counting_config(vl_dir, run, total_steps=1, workflow={
         "kind": "agent", "path": "tests.agents_for_tests:ImageAgent"},
         **{"eval.every": 0, "rollout.dump_dir": str(run / "rollouts")})
-    assert Trainer(cfg).train().steps == 2
+    assert Trainer(cfg).train().steps == 1
     dumped = [json.loads(line) for f in sorted((run / "rollouts").glob("*.jsonl"))
               for line in f.read_text().splitlines()]
     assert dumped and all(len(d["image_digest"]) == 16 for d in dumped)
