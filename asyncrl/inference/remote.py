@@ -349,10 +349,12 @@ class RemoteInferenceEngine:
             return
 
         async def abort() -> None:
-            try:
-                await self._request(server, call, self.cfg.connect_timeout_s)
+            try:  # a control call: a busy server may answer it slowly
+                await self._request(server, call, httpx.Timeout(
+                    self.cfg.control_timeout_s, connect=self.cfg.connect_timeout_s))
             except (ServerFailure, RemoteRequestError) as err:
-                log.info("best-effort abort of %s on %s failed: %s", call_rid, server.address, err)
+                log.warning("abort of %s on %s failed (the request may run on there until it "
+                            "ends): %s", call_rid, server.address, err)
 
         self._in_background(abort())
 

@@ -155,30 +155,40 @@ def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers,
 
 
 def test_cancelled_request_is_aborted_on_the_server(servers):
+    """A cancelled call ends its request on the server. The server is paused with mode=keep once
+    the request runs (it holds it without generating), so the request cannot reach its 1,000
+    tokens while the abort is on its way, however slow the machine: only the abort can end it."""
     url = servers.urls[0]
     engine = engine_for([url])
+    auth = {"Authorization": f"Bearer {KEY}"}
     g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
-    tokens_before = metric(url, "vllm:generation_tokens_total")
+    finished_before = metric(url, "vllm:request_success_total")
 
-    async def until(running: bool) -> None:  # state, not a sleep: the server's own gauge
-        deadline = time.monotonic() + 30
-        while (await asyncio.to_thread(metric, url, "vllm:num_requests_running") > 0) != running:
-            assert time.monotonic() < deadline, f"the server never had running={running}"
+    async def until(live: bool) -> None:  # state, not a sleep: the server's own gauges
+        deadline = time.monotonic() + 60
+        while (await asyncio.to_thread(metric, url, "vllm:num_requests_running")
+               + await asyncio.to_thread(metric, url, "vllm:num_requests_waiting") > 0) != live:
+            assert time.monotonic() < deadline, f"the server never had live requests={live}"
             await asyncio.sleep(0.02)
 
     async def run():
         task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid="to-abort")))
-        await until(running=True)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await until(running=False)  # the abort, sent in the background, ended it
+        await until(live=True)
+        async with httpx.AsyncClient(timeout=60) as client:
+            (await client.post(url + "/pause", params={"mode": "keep"}, headers=auth)).raise_for_status()
+            try:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await until(live=False)  # the abort, sent in the background, ended it
+            finally:
+                (await client.post(url + "/resume", headers=auth)).raise_for_status()
         await engine.aclose()
 
     asyncio.run(run())
-    time.sleep(1.0)  # had it kept running, it would produce its 1,000 tokens meanwhile
-    generated = metric(url, "vllm:generation_tokens_total") - tokens_before
-    assert generated < 1000, f"the cancelled request generated {generated} tokens on the server"
+    # Had the request survived, it would have finished (by length) after the resume.
+    assert metric(url, "vllm:request_success_total") == finished_before
+    assert metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting") == 0
 
 
 def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs, tmp_path):
