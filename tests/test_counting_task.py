@@ -52,8 +52,11 @@ def test_image_data_is_refused_with_what_cannot_take_images(tmp_path):
     assert TrainRunConfig.from_dict(base).data.kind == "counting"
     with pytest.raises(ConfigError, match="workflow.kind='multi_turn' does not pass images"):
         TrainRunConfig.from_dict({**base, "workflow": {"kind": "multi_turn"}})
-    with pytest.raises(ConfigError, match="inference.mode='local' does not send images"):
-        TrainRunConfig.from_dict({**base, "inference": {"mode": "local"}})
+    with pytest.raises(ConfigError, match=r"inference.backend='sglang' sends no images to its "
+                                          r"servers; allowed: \['vllm'\]"):
+        TrainRunConfig.from_dict({**base, "inference": {"mode": "local", "backend": "sglang"}})
+    local_vllm = {**base, "inference": {"mode": "local", "backend": "vllm"}}
+    assert TrainRunConfig.from_dict(local_vllm).inference.backend.kind == "vllm"
 
 
 def test_clevr_count_layout_loads_from_the_hub_cache_with_its_images(tmp_path, monkeypatch):

@@ -98,7 +98,7 @@ def test_requests_the_engine_cannot_serve_are_refused(vl_dir, tmp_path):
         text.add_request(ModelRequest([5, 6, 7], images=p.image_inputs()))
 
 
-def test_remote_backends_refuse_images_until_they_send_them(vl_dir):
+def test_backends_without_images_refuse_them(vl_dir):
     import asyncio
 
     from asyncrl.inference.backends import BACKENDS
@@ -106,7 +106,53 @@ def test_remote_backends_refuse_images_until_they_send_them(vl_dir):
     from asyncrl.inference.remote import RemoteInferenceEngine
 
     p = prompt(vl_dir, 1)
-    remote = RemoteInferenceEngine(RemoteEngineConfig(addresses=["http://127.0.0.1:9"]),
-                                   BACKENDS.parse("vllm").build())
-    with pytest.raises(ValueError, match="vllm backend does not send images"):
-        asyncio.run(remote.agenerate(ModelRequest(p.input_ids, images=p.image_inputs())))
+    for kind in ("asyncrl", "sglang"):
+        remote = RemoteInferenceEngine(RemoteEngineConfig(addresses=["http://127.0.0.1:9"]),
+                                       BACKENDS.parse(kind).build())
+        with pytest.raises(ValueError, match=f"the {kind} backend sends no images"):
+            asyncio.run(remote.agenerate(ModelRequest(p.input_ids, images=p.image_inputs())))
+
+
+def test_vllm_image_call_collapses_pads_and_sends_the_pixels_losslessly(vl_dir):
+    """The body of vLLM's token-in route for a prompt with images (the live server is in
+    tests/integration/test_vllm_vision.py): one pad per image, PNG data URLs the image processor
+    turns into the very pixels the prompt carries, and a generated pad ends the call."""
+    from asyncrl.inference.backends import BACKENDS
+    from asyncrl.models.vision import VisionPromptEncoder, load_image
+
+    p = prompt(vl_dir, 2)
+    images = p.image_inputs()
+    g = GenerationConfig(max_new_tokens=5, stop_token_ids=(7,))
+    call = BACKENDS.parse("vllm").build(images=True).generate_call(p.input_ids + [9, 9], g, "r1",
+                                                                  stream=True, images=images)
+    assert call.path == "/inference/v1/generate"
+    body = call.json
+    pad = images.pad_id
+    assert p.input_ids.count(pad) > 1 and body["token_ids"].count(pad) == 1
+    ids = p.input_ids + [9, 9]
+    assert body["token_ids"] == [t for i, t in enumerate(ids) if t != pad or ids[i - 1] != pad]
+    # a generated vision token ends the call (the trainer reads it as id 0, vLLM as itself)
+    assert body["sampling_params"]["stop_token_ids"] == [7, *images.vision_ids]
+    assert pad in images.vision_ids and len(images.vision_ids) == 4
+    assert body["request_id"] == "r1" and body["stream"] is True
+    urls = [part["url"] for part in body["content_parts"]]
+    pixels, grid = VisionPromptEncoder.from_model_dir(vl_dir).process([load_image(u) for u in urls])
+    assert torch.equal(pixels, images.pixel_values) and torch.equal(grid, images.grid_thw)
+
+
+def test_vllm_parses_the_token_in_routes_events():
+    from asyncrl.api import StopReason
+    from asyncrl.inference.backends import BACKENDS
+
+    backend = BACKENDS.parse("vllm").build()
+    event = {"request_id": "generate-tokens-r1", "choices": [{
+        "index": 0, "token_ids": [5, 6], "finish_reason": "abort",
+        "logprobs": {"content": [{"token_id": 5, "logprob": -0.5, "top_logprobs": []},
+                                 {"token_id": 6, "logprob": -1.5, "top_logprobs": []}]}}]}
+    delta = backend.parse_stream_event(event)
+    assert (delta.tokens, delta.logprobs, delta.stop_reason) == ([5, 6], [-0.5, -1.5],
+                                                                 StopReason.ABORT)
+    seg = backend.parse_generate({"choices": [{**event["choices"][0], "finish_reason": "stop"}]})
+    assert (seg.tokens, seg.logprobs, seg.stop_reason) == ([5, 6], [-0.5, -1.5], StopReason.STOP)
+    assert backend.abort_call("r1").json == {"request_ids": ["cmpl-r1-0",
+                                                             "generate-tokens-r1"]}

@@ -233,8 +233,10 @@ def test_vllm_request_and_reply_mapping():
     with pytest.raises(BackendReplyError, match="choices"):
         backend.parse_generate({"error": {"message": "boom"}})
     assert backend.pause_call().params == {"mode": "abort"}
-    # the completion server registers request_id r as "cmpl-r-0"; a bare id aborts nothing
-    assert backend.abort_call("rid-1").json == {"request_ids": ["cmpl-rid-1-0"]}
+    # the completion server registers request_id r as "cmpl-r-0" (the token-in route, for
+    # prompts with images, as "generate-tokens-r"); a bare id aborts nothing
+    assert backend.abort_call("rid-1").json == {"request_ids": ["cmpl-rid-1-0",
+                                                                "generate-tokens-rid-1"]}
     calls = backend.disk_update_calls("/w/v1", 1)
     assert [c.path for c in calls] == ["/collective_rpc", "/reset_prefix_cache",
                                        "/update_weight_version"]

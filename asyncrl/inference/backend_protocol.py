@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.api import GenerationConfig, ImageInputs, StopReason
 from asyncrl.inference.config import EngineSettings
 
 
@@ -147,9 +147,10 @@ class Backend(Protocol):
     name: str
     supports_tensor_push: bool  # /update_weights/tensors buckets (weight_buckets.py)
     supports_stream: bool  # generate_call(stream=True) answers server-sent events
+    supports_images: bool  # generate_call takes a prompt's images
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
-                      stream: bool = False) -> HttpCall: ...
+                      stream: bool = False, images: ImageInputs | None = None) -> HttpCall: ...
 
     def parse_generate(self, body: Any) -> Segment: ...
 
@@ -261,9 +262,12 @@ class BackendPlugin(Protocol):
     lora: ClassVar[bool]  # LoRA adapters loaded at run time
     untied_head: ClassVar[bool]  # the served model needs lm_head.weight of its own
     tested: ClassVar[str]  # the server versions it was tested against
+    images: ClassVar[bool]  # prompts with images reach its servers
 
-    def build(self, model: str | None = None, lora: LoraServing | None = None) -> Backend:
-        """The adapter of the remote client (`model`: the served model name, when needed)."""
+    def build(self, model: str | None = None, lora: LoraServing | None = None,
+              images: bool = False) -> Backend:
+        """The adapter of the remote client (`model`: the served model name, when needed;
+        `images`: prompts will carry images, so its servers are checked for that)."""
 
     def check_lora(self, lora: LoraServing) -> None:
         """ValueError naming the limit when its servers cannot take these adapters."""

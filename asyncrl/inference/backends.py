@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.api import GenerationConfig, ImageInputs, StopReason
 from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
     BackendReplyError,
@@ -53,6 +53,7 @@ class AsyncrlBackend:
 
     name = "asyncrl"
     supports_tensor_push = True
+    supports_images = False
     supports_stream = True
     broadcast_layout = "buckets"  # the receiver reads the spec and bucket plan from the store
 
@@ -66,7 +67,9 @@ class AsyncrlBackend:
         raise NotImplementedError("asyncrl servers are not asked for their ranks")
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
-                      stream: bool = False) -> HttpCall:
+                      stream: bool = False, images: ImageInputs | None = None) -> HttpCall:
+        if images is not None:
+            raise ValueError(f"the {self.name} backend sends no images (supports_images=False)")
         g = gconfig
         body = {
             "input_ids": input_ids, "rid": rid, "max_new_tokens": g.max_new_tokens,
@@ -154,8 +157,10 @@ class AsyncrlBackendConfig(Config):
     lora: ClassVar[bool] = True  # merged into the served weights (/update_weights/lora)
     untied_head: ClassVar[bool] = False
     tested: ClassVar[str] = "this release's `asyncrl serve`"
+    images: ClassVar[bool] = False  # its servers take no images (yet)
 
-    def build(self, model: str | None = None, lora: LoraServing | None = None) -> AsyncrlBackend:
+    def build(self, model: str | None = None, lora: LoraServing | None = None,
+              images: bool = False) -> AsyncrlBackend:
         return AsyncrlBackend(model=model)
 
     def check_lora(self, lora: LoraServing) -> None:

@@ -89,9 +89,10 @@ class RemoteInferenceEngine:
         if req.gconfig.n_samples != 1:
             raise ValueError(f"n_samples={req.gconfig.n_samples} is out of range; allowed [1, 1]: "
                              "expand a group into one request per sample")
-        if req.images is not None:
-            raise ValueError(f"the {self.backend.name} backend does not send images to its "
-                             "servers yet; serve a prompt with images on the in-process engine")
+        if req.images is not None and not self.backend.supports_images:
+            raise ValueError(f"the {self.backend.name} backend sends no images to its servers; "
+                             "serve a prompt with images on the vllm backend or the in-process "
+                             "engine")
         progress = Progress(req, t0=time.perf_counter())
         failures = interruptions = 0
         self._count("requests")
@@ -210,7 +211,8 @@ class RemoteInferenceEngine:
         progress.calls += 1
         stream = self.backend.supports_stream
         call = self.backend.generate_call(list(progress.req.input_ids) + progress.tokens,
-                                          progress.next_config(), call_rid, stream=stream)
+                                          progress.next_config(), call_rid, stream=stream,
+                                          images=progress.req.images)
         epoch, version, submitted = self._gate.epoch, server.version, time.perf_counter()
         self._count("calls")
         try:
@@ -390,7 +392,7 @@ class RemoteInferenceEngine:
         checks that must see what each server computes, e.g. logprobs after a weight update."""
         async def one(server: ServerState) -> tuple[str, ModelResponse]:
             call = self.backend.generate_call(list(req.input_ids), req.gconfig,
-                                              f"{req.rid}@{server.index}")
+                                              f"{req.rid}@{server.index}", images=req.images)
             seg = self.backend.parse_generate(
                 await self._request(server, call, self._gen_timeout()))
             seg.versions = seg.versions or [server.version] * len(seg.tokens)

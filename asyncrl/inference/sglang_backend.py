@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.api import GenerationConfig, ImageInputs, StopReason
 from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
     NEUTRAL_SAMPLING,
@@ -79,6 +79,7 @@ class SGLangBackend:
     name = "sglang"
     broadcast_layout = "per_tensor"
     supports_tensor_push = False
+    supports_images = False
     supports_stream = False
     tested = ((0, 5, 23), (0, 6))
 
@@ -92,7 +93,9 @@ class SGLangBackend:
         raise NotImplementedError("SGLang servers are not asked for their ranks")
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
-                      stream: bool = False) -> HttpCall:
+                      stream: bool = False, images: ImageInputs | None = None) -> HttpCall:
+        if images is not None:
+            raise ValueError(f"the {self.name} backend sends no images (supports_images=False)")
         g = gconfig
         params: dict[str, Any] = {
             "max_new_tokens": g.max_new_tokens, "min_new_tokens": g.min_new_tokens,
@@ -192,8 +195,10 @@ class SGLangBackendConfig(Config):
     lora: ClassVar[bool] = False
     untied_head: ClassVar[bool] = False
     tested: ClassVar[str] = "SGLang 0.5.23 (from its source; no live server yet)"
+    images: ClassVar[bool] = False  # its servers take no images (yet)
 
-    def build(self, model: str | None = None, lora: LoraServing | None = None) -> SGLangBackend:
+    def build(self, model: str | None = None, lora: LoraServing | None = None,
+              images: bool = False) -> SGLangBackend:
         return SGLangBackend(model=model)
 
     def check_lora(self, lora: LoraServing) -> None:

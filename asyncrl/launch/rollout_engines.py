@@ -46,7 +46,7 @@ from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.launch.launchers import Launcher
 from asyncrl.launch.train_config import InferenceLaunchConfig
 from asyncrl.launch.weight_check import LogprobCheck
-from asyncrl.models.config import DEFAULT_SHARD_SIZE
+from asyncrl.models.config import DEFAULT_SHARD_SIZE, is_vision_language
 
 
 
@@ -242,8 +242,8 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
         else:
             remote_cfg = cfg.remote
         # lora: a backend that takes adapters checks its servers' settings at startup
-        engine = RemoteInferenceEngine(remote_cfg, backend.build(model=remote_cfg.model,
-                                                                 lora=lora))
+        engine = RemoteInferenceEngine(remote_cfg, backend.build(
+            model=remote_cfg.model, lora=lora, images=is_vision_language(model_dir)))
         stack.callback(engine.close)
         if servers is not None:
             stack.enter_context(servers.watching(engine))

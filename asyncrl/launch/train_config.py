@@ -218,8 +218,8 @@ class TrainRunConfig(Config):
 
     def _check_images(self) -> None:
         """A dataset whose rows carry images needs a vision-language model and the paths that
-        carry images today: the rlvr workflow or an agent (through the proxy) on the in-process
-        engine."""
+        carry images: the rlvr workflow or an agent (through the proxy), on the in-process
+        engine or servers of a backend that takes images (vLLM)."""
         if not getattr(type(self.data), "has_images", False):
             return
         kind = f"data.kind={self.data.kind!r} has images"
@@ -233,9 +233,11 @@ class TrainRunConfig(Config):
         if self.workflow.kind not in ("rlvr", "agent"):
             raise ValueError(f"{kind}: workflow.kind={self.workflow.kind!r} does not pass images "
                              "yet; allowed: rlvr, agent (image_url parts through the proxy)")
-        if self.inference.mode != "inprocess":
-            raise ValueError(f"{kind}: inference.mode={self.inference.mode!r} does not send "
-                             "images yet; allowed: inprocess")
+        backend = self.inference.backend
+        if self.inference.mode != "inprocess" and not backend.images:
+            allowed = [k for k in BACKENDS.kinds() if BACKENDS.config_class(k).images]
+            raise ValueError(f"{kind}: inference.backend={backend.kind!r} sends no images to its "
+                             f"servers; allowed: {allowed} (or inference.mode=inprocess)")
 
     def _check_lora(self) -> None:
         """`train.lora` pushes adapters: in memory, HTTP buckets or a PEFT directory, to servers

@@ -146,8 +146,9 @@ def save_weights_dir(weights: Mapping[str, torch.Tensor], hf_config: Any, out_di
     _clear_weights(out)
     tensors = {name: t.detach() for name, t in without_tied_aliases(weights.items())}
     config = copy.deepcopy(hf_config)  # save_pretrained records dtype and architectures in it
-    if untie and getattr(config, "tie_word_embeddings", False):
+    if untie and ties_head(config):
         config.tie_word_embeddings = False
+        config.get_text_config().tie_word_embeddings = False  # a VLM's language model's too
         tensors["lm_head.weight"] = tensors[_embedding_name(tensors)].clone()
     model = _weightless_model(config, tensors)
     _drop_tied_aliases(model, tensors)
@@ -203,6 +204,13 @@ def _embedding_name(tensors: Mapping[str, torch.Tensor]) -> str:
     return names[0]
 
 
+def ties_head(config: Any) -> bool:
+    """Whether a HF config ties the output head to the embeddings (a vision-language model's
+    says so in its text config as well)."""
+    return bool(getattr(config, "tie_word_embeddings", False)
+                or getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
 def untied_copy(model_dir: str | Path, out_dir: str | Path,
                 max_shard_size: int | str = DEFAULT_SHARD_SIZE,
                 trust_remote_code: bool = False) -> Path:
@@ -214,7 +222,7 @@ def untied_copy(model_dir: str | Path, out_dir: str | Path,
     src = Path(model_dir)
     config = transformers.AutoConfig.from_pretrained(src, local_files_only=True,
                                                      trust_remote_code=trust_remote_code)
-    if not getattr(config, "tie_word_embeddings", False):
+    if not ties_head(config):
         return src
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(src):

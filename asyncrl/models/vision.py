@@ -32,6 +32,8 @@ from asyncrl.api.images import ImageInputs
 from asyncrl.models.chat import encode_chat_prompt, render_chat
 
 IMAGE_PAD = "<|image_pad|>"
+# The tokens a Qwen2-VL-style model locates images by (vlm_forward_kwargs reads a generated one as 0)
+VISION_TOKENS = (IMAGE_PAD, "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class ImagePrompt:
     input_ids: list[int]  # the placeholder expanded: one IMAGE_PAD id per merged patch block
     pixel_values: torch.Tensor  # [patches of every image, channels * temporal * patch^2]
     image_grid_thw: torch.Tensor  # [images, 3]: each image's (t, h, w) in patches
+    pad_id: int | None = None  # the IMAGE_PAD id
+    vision_ids: tuple[int, ...] = ()  # every vision token id (VISION_TOKENS)
+    pictures: tuple[Image.Image, ...] = ()  # the images, as the processor was given them
 
     @property
     def num_images(self) -> int:
@@ -46,16 +51,19 @@ class ImagePrompt:
 
     def image_inputs(self) -> ImageInputs | None:
         """What a `Sample` of this prompt carries (None without images)."""
-        return image_inputs(self.pixel_values, self.image_grid_thw)
+        return image_inputs(self.pixel_values, self.image_grid_thw, self.pad_id, self.pictures,
+                            self.vision_ids)
 
 
-def image_inputs(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> ImageInputs | None:
+def image_inputs(pixel_values: torch.Tensor, grid_thw: torch.Tensor, pad_id: int | None = None,
+                 sources: Sequence[Image.Image] = (), vision_ids: Sequence[int] = ()
+                 ) -> ImageInputs | None:
     """What a `Sample` carries of these processed images, with their digest (None for none)."""
     if not grid_thw.shape[0]:
         return None
     digest = hashlib.sha256(grid_thw.numpy().tobytes()
                             + pixel_values.numpy().tobytes()).hexdigest()[:16]
-    return ImageInputs(pixel_values, grid_thw, digest)
+    return ImageInputs(pixel_values, grid_thw, digest, pad_id, tuple(vision_ids), tuple(sources))
 
 
 def image_tokens(grid_thw: torch.Tensor, merge_size: int) -> list[int]:
@@ -134,6 +142,8 @@ class VisionPromptEncoder:
             raise ValueError(f"the tokenizer has no {IMAGE_PAD} token: not a vision-language "
                              "model's tokenizer")
         self.merge = int(getattr(image_processor, "merge_size", 2))
+        ids = (tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+        self.vision_ids = tuple(i for i in ids if i is not None and i != tokenizer.unk_token_id)
 
     @classmethod
     def from_model_dir(cls, path: str | Path, trust_remote_code: bool = False
@@ -160,7 +170,13 @@ class VisionPromptEncoder:
             raise ValueError(f"the chat template placed {text.count(IMAGE_PAD)} images but the "
                              f"messages hold {len(pictures)}: does it render image parts?")
         pixels, grid = self.process(pictures)
-        return ImagePrompt(self.expand(text, self.tokens_per_image(grid)), pixels, grid)
+        return ImagePrompt(self.expand(text, self.tokens_per_image(grid)), pixels, grid,
+                           self.pad_id, self.vision_ids, tuple(pictures))
+
+    def image_inputs(self, pictures: Sequence[Image.Image]) -> ImageInputs | None:
+        """What a request or sample carries of `pictures` (None for none)."""
+        pixels, grid = self.process(pictures)
+        return image_inputs(pixels, grid, self.pad_id, pictures, self.vision_ids)
 
     def process(self, pictures: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel patches, grid sizes [images, 3]) of `pictures` from the image processor."""

