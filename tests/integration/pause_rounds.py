@@ -1,4 +1,5 @@
-"""Interrupt generations on real servers with a pause + weight update, retrying a lost race.
+"""Interrupt generations on real servers with a pause + weight update, retrying a lost race
+(and the vLLM suite's other helpers: a perturbed policy, a server metric).
 
 A test starts requests, waits until the servers' own token count shows them a few tokens in,
 then pauses (aborting them), updates and resumes. The pause travels through a busy API server:
@@ -14,10 +15,27 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
+from pathlib import Path
+
 import httpx
+import torch
 
 from asyncrl.api import ModelRequest, ModelResponse
+from asyncrl.models.export import save_weights_dir
+from asyncrl.models.loading import load_causal_lm
 from asyncrl.inference.remote import RemoteInferenceEngine
+
+
+def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
+    """A copy of the model (a VLM's vision tower and processor too) with every weight moved and
+    an untied output head: version 1 of the policy, as a vLLM server reloads it."""
+    model = load_causal_lm(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return save_weights_dir(model.state_dict(), model.config, out, untie=True,
+                            processor_from=model_dir)
 
 
 def metric(url: str, name: str) -> float:

@@ -38,7 +38,7 @@ from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.export import save_weights_dir, untied_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pause_rounds import interrupt_with_update, metric  # noqa: E402
+from pause_rounds import interrupt_with_update, metric, perturbed  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -83,16 +83,6 @@ def hf_logprobs(model, prompt, output, temperature=1.0) -> list[float]:
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
-
-
-def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
-    """A copy of the model with every weight moved: version 1 of the policy."""
-    model = load_causal_lm(model_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return save_weights_dir(model.state_dict(), model.config, out, untie=True)
 
 
 def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dirs):

@@ -29,7 +29,7 @@ from asyncrl.api import GenerationConfig, ModelRequest, Sample, WeightUpdateMeta
 from asyncrl.inference.config import EngineSettings, RemoteEngineConfig
 from asyncrl.inference.remote import RemoteInferenceEngine
 from asyncrl.launch.local_servers import LocalServers
-from asyncrl.models.export import save_weights_dir, untied_copy
+from asyncrl.models.export import untied_copy
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.presets import build_preset_model
 from asyncrl.models.vision import VisionPromptEncoder
@@ -38,7 +38,7 @@ from asyncrl.train.engine import HFTrainEngine
 from train_helpers import make_backend, server_command
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pause_rounds import interrupt_with_update, metric  # noqa: E402
+from pause_rounds import interrupt_with_update, metric, perturbed  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -155,17 +155,6 @@ def test_the_backend_sends_image_prompts_with_the_trainers_logprobs(server, vl_d
         ours = trainer_logprobs(vl_dir, prompt, r.output_tokens)
         diff = max(abs(a - b) for a, b in zip(ours, r.output_logprobs))
         assert diff < 1e-4, (diff, r.output_tokens)
-
-
-def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
-    """A copy of the VLM with every weight moved (vision tower too): version 1 of the policy."""
-    model = load_causal_lm(model_dir)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return save_weights_dir(model.state_dict(), model.config, out, untie=True,
-                            processor_from=model_dir)
 
 
 def test_a_weight_update_mid_generation_continues_image_prompts(server, vl_dir, tmp_path):
