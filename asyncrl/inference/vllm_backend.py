@@ -69,6 +69,11 @@ class VLLMBackend:
       completions reply carries none).
     - Abort: the completion server registers request `request_id` as "cmpl-<id>-0" (choice 0),
       and /abort_requests matches that external id; the bare id matches nothing.
+    - Prompts with images: `entrypoints/scale_out/token_in_token_out/` (POST
+      /inference/v1/generate, mounted by --enable-scale-out: token_ids, content_parts
+      [{"type": "image_url", "url": ...}], sampling_params, stream; replies carry token_ids and
+      logprobs.content[].logprob; the engine's id is "generate-tokens-<id>"). It expands each
+      image's placeholder itself, so `_image_call` sends each run of pads collapsed to one.
     - Weight updates from a directory: /collective_rpc reload_weights(weights_path=DIR) on every
       worker, /reset_prefix_cache (cached prefixes hold the old weights' KV), then
       /update_weight_version; /weight_info reports it back and is the health probe, so a
