@@ -1,8 +1,8 @@
-"""The built-in engine serving the embedded tiny VLM (Qwen2-VL) with images in the prompt: on
-the transformers fallback runner (the compact native model is text-only), per-token logprobs
-equal the trainer's for the same samples (fp32), versions are stamped as for text, a weight
-update mid-generation is followed by the rest of each sequence, and bad requests are refused
-with the reason."""
+"""The built-in engine serving the embedded tiny VLM (Qwen2-VL) with images in the prompt, on the
+compact model (vision tower once per prompt, M-RoPE) and on the transformers fallback runner:
+per-token logprobs equal the trainer's for the same samples (fp32), versions are stamped as for
+text, a weight update mid-generation is followed by the rest of each sequence under the new
+weights, and bad requests are refused with the reason."""
 
 from __future__ import annotations
 
@@ -42,19 +42,15 @@ def request(p, rid: str, tokens: int = 8) -> ModelRequest:
     return ModelRequest(p.input_ids, g, rid=rid, images=p.image_inputs())
 
 
-def test_image_prompts_sample_with_the_trainers_logprobs(vl_dir):
-    engine = LLMEngine(EngineConfig(model_path=str(vl_dir)))
-    assert type(engine.runner).__name__ == "HFModelRunner" and engine.max_seq_len == 1024
-    prompts = [prompt(vl_dir, 2), prompt(vl_dir, 3, (112, 56))]
-    responses = engine.generate([request(p, f"r{i}") for i, p in enumerate(prompts)])
+def trainer_check(model_dir, prompts, responses) -> None:
+    """The trainer's logprobs of each response's tokens equal the engine's (fp32, 1e-4)."""
     samples = []
     for p, r in zip(prompts, responses):
-        assert len(r.output_tokens) == 8 and set(r.output_versions) == {0}
         s = Sample.from_prompt_and_completion(p.input_ids, r.output_tokens, r.output_logprobs,
                                               r.output_versions)
         s.images = p.image_inputs()
         samples.append(s)
-    trainer = HFTrainEngine(load_causal_lm(vl_dir), TrainEngineConfig(device="cpu"),
+    trainer = HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(device="cpu"),
                             trainable=False)
     for s, lp in zip(samples, trainer.forward(samples)):
         generated = torch.tensor(s.loss_mask, dtype=torch.bool)
@@ -62,22 +58,72 @@ def test_image_prompts_sample_with_the_trainers_logprobs(vl_dir):
                                    atol=1e-4, rtol=0)
 
 
-def test_a_weight_update_mid_generation_continues_each_sequence(vl_dir):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_image_prompts_sample_with_the_trainers_logprobs(vl_dir, backend):
+    """native: the compact model (M-RoPE, the vision tower once per prompt, decode on the C++
+    kernels when a batch shares one rope delta, per row otherwise); hf: the transformers
+    fallback. Both against the trainer."""
+    engine = LLMEngine(EngineConfig(model_path=str(vl_dir), backend=backend))
+    runner = {"native": "ModelRunner", "hf": "HFModelRunner"}[backend]
+    assert type(engine.runner).__name__ == runner and engine.max_seq_len == 1024
+    # one batch mixing image sizes (two rope deltas), one of equal sizes (one delta), and a
+    # text-only prompt beside images
+    text = VisionPromptEncoder.from_model_dir(vl_dir).encode(
+        [{"role": "user", "content": "Count to three."}])
+    batches = [[prompt(vl_dir, 2), prompt(vl_dir, 3, (112, 56)), text],
+               [prompt(vl_dir, 1), prompt(vl_dir, 3)]]
+    for k, prompts in enumerate(batches):
+        responses = engine.generate([request(p, f"r{k}.{i}") for i, p in enumerate(prompts)])
+        assert all(len(r.output_tokens) == 8 and set(r.output_versions) == {0}
+                   for r in responses)
+        trainer_check(vl_dir, prompts, responses)
+
+
+def test_the_vision_tower_runs_once_per_prompt(vl_dir):
     engine = LLMEngine(EngineConfig(model_path=str(vl_dir)))
-    engine.add_request(request(prompt(vl_dir, 1), "mid", tokens=6))
+    tower = engine.runner.vision.module
+    calls = []
+    tower.register_forward_hook(lambda *_: calls.append(1))
+    p = prompt(vl_dir, 2)
+    engine.generate([request(p, f"g{i}") for i in range(4)])  # a group: one ImageInputs object
+    assert len(calls) == 1
+    engine.generate([request(prompt(vl_dir, 3), "other")])
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_weight_update_mid_generation_continues_each_sequence(vl_dir, tmp_path, backend):
+    """Tokens sampled before the update carry version 0 and v0's logprobs, the rest version 1
+    and v1's (the sequence is recomputed under v1, images included: the cached vision output
+    of v0 is not reused)."""
+    engine = LLMEngine(EngineConfig(model_path=str(vl_dir), backend=backend))
+    p = prompt(vl_dir, 1)
+    engine.add_request(request(p, "mid", tokens=6))
     for _ in range(3):
         engine.step()
     model = load_causal_lm(vl_dir)
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.01)
+        for param in model.parameters():
+            param.mul_(1.01)
     engine.update_weights_from_state_dict(model.state_dict(), version=1)
     done = []
     while not done:
         done = engine.step()
-    versions = done[0].output_versions
-    assert len(versions) == 6 and versions[0] == 0 and versions[-1] == 1
-    assert versions == sorted(versions)
+    r = done[0]
+    assert len(r.output_versions) == 6 and r.output_versions[0] == 0
+    assert r.output_versions[-1] == 1 and r.output_versions == sorted(r.output_versions)
+    v1_dir = tmp_path / "v1"
+    model.save_pretrained(v1_dir)
+    for version, model_dir in ((0, vl_dir), (1, v1_dir)):
+        idx = [i for i, v in enumerate(r.output_versions) if v == version]
+        samples = Sample.from_prompt_and_completion(p.input_ids, r.output_tokens,
+                                                    r.output_logprobs, r.output_versions)
+        samples.images = p.image_inputs()
+        trainer = HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(device="cpu"),
+                                trainable=False)
+        lp = trainer.forward([samples])[0][torch.tensor(samples.loss_mask, dtype=torch.bool)]
+        torch.testing.assert_close(lp[idx], torch.tensor(r.output_logprobs)[idx], atol=1e-4,
+                                   rtol=0)
 
 
 def test_requests_the_engine_cannot_serve_are_refused(vl_dir, tmp_path):
@@ -94,7 +140,7 @@ def test_requests_the_engine_cannot_serve_are_refused(vl_dir, tmp_path):
         engine.add_request(ModelRequest(p.input_ids))
     text = LLMEngine(EngineConfig(model_path=str(build_tiny_model(TinyModelConfig(),
                                                                   tmp_path / "text"))))
-    with pytest.raises(ValueError, match="native engine runs text models only"):
+    with pytest.raises(ValueError, match="text-only model; a prompt with images needs"):
         text.add_request(ModelRequest([5, 6, 7], images=p.image_inputs()))
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.inference import kernels
+from asyncrl.inference.vision_tower import language_config
 from asyncrl.inference.linear import (
     KernelMatmuls,
     Matmuls,
@@ -55,6 +56,8 @@ class LlamaArgs:
     attention_bias: bool  # Qwen2: q/k/v projections have biases
     tie_word_embeddings: bool
     max_position_embeddings: int
+    # a vision-language model's M-RoPE: rotary frequency dims per position stream (t, h, w)
+    mrope_section: tuple[int, ...] | None = None
 
     def num_parameters(self) -> int:
         """Weights the model holds (a tied lm_head once), as `PreTrainedModel.num_parameters`."""
@@ -70,10 +73,12 @@ class LlamaArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> LlamaArgs:
-        """Raises ValueError naming the first feature this compact model does not implement."""
+        """Raises ValueError naming the first feature this compact model does not implement.
+        A vision-language model's config gives its decoder's (vision_tower.language_config)."""
         reason = unsupported_reason(cfg)
         if reason:
             raise ValueError(f"compact model cannot run this checkpoint: {reason}")
+        cfg = language_config(cfg)
         rope = cfg.get("rope_parameters") or {}
         heads = cfg["num_attention_heads"]
         is_qwen2 = cfg.get("model_type") == "qwen2"
@@ -90,11 +95,13 @@ class LlamaArgs:
             attention_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg["max_position_embeddings"],
+            mrope_section=tuple(cfg["mrope_section"]) if cfg.get("mrope_section") else None,
         )
 
 
 def unsupported_reason(cfg: Mapping[str, Any]) -> str | None:
     """Why the compact model cannot reproduce this HF config exactly (None if it can)."""
+    cfg = language_config(cfg)  # a vision-language model: its decoder's
     archs = cfg.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         return f"architectures={archs}; supported {list(SUPPORTED_ARCHITECTURES)}"
@@ -178,22 +185,50 @@ class LlamaModel:
         # HF computes RoPE in fp32; rotate_half(x) * sin == roll(x, hd/2) * [-sin, sin]. Built on
         # the host (the same table on every device), then moved.
         cpu = torch.device("cpu")
-        inv_freq = 1.0 / a.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=cpu)
-                                          / hd)
-        pos = torch.arange(a.max_position_embeddings, dtype=torch.float32, device=cpu)
-        freqs = torch.outer(pos, inv_freq)
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.device, dtype)
-        self.sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.device, dtype)
+        self.inv_freq = 1.0 / a.rope_theta ** (
+            torch.arange(0, hd, 2, dtype=torch.float32, device=cpu) / hd)
+        # M-RoPE decodes at cache position + a (negative) rope delta: the kernels' tables start
+        # `margin` positions before 0, so a shifted view of them is still inside the table.
+        self.margin = a.max_position_embeddings if a.mrope_section else 0
+        pos = torch.arange(-self.margin, a.max_position_embeddings, dtype=torch.float32,
+                           device=cpu)
+        cos, sin = self._rope_rows(pos[:, None] * self.inv_freq)
+        self.cos, self.sin = cos[self.margin:].to(self.device), sin[self.margin:].to(self.device)
+        if a.mrope_section:  # which position stream rotates each frequency dim
+            self.mrope_stream = torch.repeat_interleave(
+                torch.arange(3), torch.tensor(a.mrope_section)).to(self.device)
+            self.inv_freq = self.inv_freq.to(self.device)
         self._kernels = self._load_kernels() if cpu_kernels and on_cpu else None
         # The kernels read fp32 tables holding the values the torch path uses (rounded to dtype).
         self.cos32 = self.sin32 = None
         if self._kernels is not None:
-            self.cos32, self.sin32 = self.cos.float(), self.sin.float()
+            self._cos32_all, self._sin32_all = cos.float(), sin.float()
+            self.cos32, self.sin32 = self._kernel_rope(0)
         self._dims: tuple[tuple[int, ...], kernels.ModelDims] | None = None  # per cache shape
         self._targets = self._name_map()
         check_device(self.device, [*self._targets.values(), self.cos, self.sin])
         self._plain = PlainMatmuls(self.layers, self.lm_head)
         self._fast: Matmuls | None = None  # built from real weights in load_weights
+
+    def _rope_rows(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sign-folded sin) rows in this model's dtype from fp32 freqs [..., hd / 2]."""
+        cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.dtype)
+        return cos, torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.dtype)
+
+    def _kernel_rope(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' fp32 tables viewed so that row p holds position p + offset."""
+        if not -self.margin <= offset < self.args.max_position_embeddings:
+            raise ValueError(f"rope offset {offset} is out of range; allowed "
+                             f"[{-self.margin}, {self.args.max_position_embeddings})")
+        start = self.margin + offset
+        return self._cos32_all[start:], self._sin32_all[start:]
+
+    def mrope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [n, L, 1, hd] of M-RoPE positions [3 (t, h, w), n, L]: frequency dim j
+        rotates by the position of stream mrope_stream[j] (transformers' Qwen2-VL layout)."""
+        picked = positions.to(self.device)[self.mrope_stream]  # [hd / 2, n, L]
+        cos, sin = self._rope_rows(picked.permute(1, 2, 0).float() * self.inv_freq)
+        return cos[:, :, None], sin[:, :, None]
 
     def _load_kernels(self) -> kernels.CpuKernels | None:
         if not kernels.CpuKernels.supports(self.dtype, self.args.head_dim, self.device):
@@ -263,6 +298,9 @@ class LlamaModel:
                 self.layers, self.lm_head, self.rows_hint, self._kernels
             )
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed)
+
     def _rope(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -284,7 +322,7 @@ class LlamaModel:
     def _attn_kernel(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
         """Prefill and decode alike: row r attends to positions [0, c.positions[r]] of its slot."""
         return self._kernels.attention(
-            qkv, c.cache[layer, 0], c.cache[layer, 1], self.cos32, self.sin32, c.slots,
+            qkv, c.cache[layer, 0], c.cache[layer, 1], c.cos, c.sin, c.slots,
             c.positions, self.args.num_heads,
         )
 
@@ -327,14 +365,15 @@ class LlamaModel:
             return self._kernels.rms_norm(x, w, self.args.rms_norm_eps)
         return F.rms_norm(x, (self.args.hidden_size,), w, self.args.rms_norm_eps)
 
-    def _model_dims(self, cache: torch.Tensor) -> kernels.ModelDims:
+    def _model_dims(self, cache: torch.Tensor, offset: int = 0) -> kernels.ModelDims:
         a, (layers, _, _, kvh, max_len, hd) = self.args, cache.shape
-        key = tuple(cache.shape)
+        key = (*cache.shape, offset)
         if self._dims is None or self._dims[0] != key:
+            cos, sin = self._kernel_rope(offset)
             dims = kernels.ModelDims(
                 layers, a.hidden_size, self.q_dim + 2 * self.kv_dim, a.intermediate_size,
                 a.num_heads, kvh, hd, max_len, cache.stride(0), cache.stride(1), a.rms_norm_eps,
-                self.cos32.data_ptr(), self.sin32.data_ptr(),
+                cos.data_ptr(), sin.data_ptr(),
             )
             self._dims = (key, dims)
         return self._dims[1]
@@ -355,12 +394,19 @@ class LlamaModel:
 
     @torch.inference_mode()
     def prefill(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor
+        self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
+        embeds: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """tokens [n, L] right-padded, lengths [n], slots [n] -> fp32 logits of each last token."""
+        """tokens [n, L] right-padded, lengths [n], slots [n] -> fp32 logits of each last token.
+
+        A multimodal prompt passes its input embeddings [n * L, D] (images filled in) and its
+        M-RoPE rows (`mrope_rows`); it runs the torch attention path."""
         n, length = tokens.shape
-        x = F.embedding(tokens.reshape(-1), self.embed)
+        x = F.embedding(tokens.reshape(-1), self.embed) if embeds is None else embeds
         last = torch.arange(n, device=tokens.device) * length + lengths - 1
+        if rope is not None:
+            c = _Ctx(cache, rope[0], rope[1], n, length, slots=slots)
+            return self._logits(self._layers(x, self._attn_prefill, c, last))
         if self._use_kernels(cache, tokens, lengths, slots):
             # Padding rows write K/V past their prompt's end: harmless, since decode overwrites
             # a position before any query reads it.
@@ -379,26 +425,32 @@ class LlamaModel:
     @torch.inference_mode()
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
-        attend: int | None = None,
+        attend: int | None = None, rope_offset: int | torch.Tensor = 0,
     ) -> torch.Tensor:
         """tokens [n] at positions [n]; row i is cache slot i -> fp32 logits [n, V].
 
         `attend`: max(positions) + 1 when the caller knows it (reading it from a CUDA tensor
-        would stall the host until the device catches up)."""
+        would stall the host until the device catches up). `rope_offset`: M-RoPE's delta, added
+        to each position for the rotation only (one int for every row, as the kernels take it,
+        or one per row [n])."""
         n = tokens.shape[0]
         x = F.embedding(tokens, self.embed)
-        if self._use_kernels(cache, tokens, positions):
+        per_row = isinstance(rope_offset, torch.Tensor)
+        if not per_row and self._use_kernels(cache, tokens, positions):
             positions = positions.long().contiguous()
             if isinstance(self._fast, KernelMatmuls):
                 # One C++ call for the whole step: the kernels below without per-op overhead.
-                return self._fast.forward(x, self.norm, cache, positions, self._model_dims(cache))
-            c = _Ctx(cache, self.cos32, self.sin32, n, 0, positions=positions)
+                return self._fast.forward(x, self.norm, cache, positions,
+                                          self._model_dims(cache, rope_offset))
+            cos, sin = self._kernel_rope(rope_offset)
+            c = _Ctx(cache, cos, sin, n, 0, positions=positions)
             return self._logits(self._layers(x, self._attn_kernel, c))
-        ctx = self._decode_ctx(cache, positions, attend)
+        ctx = self._decode_ctx(cache, positions, attend, positions + rope_offset)
         return self._logits(self._layers(x, self._attn_decode, ctx))
 
     def _decode_ctx(
-        self, cache: torch.Tensor, positions: torch.Tensor, attend: int | None = None
+        self, cache: torch.Tensor, positions: torch.Tensor, attend: int | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> _Ctx:
         """The mask and cache rows of the torch attention path."""
         n, dev = positions.shape[0], positions.device
@@ -413,7 +465,8 @@ class LlamaModel:
         head = torch.arange(kvh, device=dev)[None, None, :]
         i = torch.arange(n, device=dev)[:, None, None]
         kv_rows = ((kv * slots + i) * kvh + head) * max_len + positions[:, None, None]
+        rot = positions if rope_positions is None else rope_positions
         return _Ctx(
-            cache, self.cos[positions, None], self.sin[positions, None], n, t,
+            cache, self.cos[rot, None], self.sin[rot, None], n, t,
             kv_rows=kv_rows.reshape(-1), mask=mask.repeat_interleave(kvh, 0),
         )

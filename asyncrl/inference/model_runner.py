@@ -20,7 +20,14 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.inference.llama import LlamaArgs, LlamaModel, check_device, unsupported_reason
-from asyncrl.inference.scheduler import Batch, Phase
+from asyncrl.inference.scheduler import Batch, Phase, Sequence
+from asyncrl.inference.vision_tower import (
+    VisionTower,
+    check_image_tokens,
+    is_vlm_config,
+    mrope_positions,
+    split_weight_name,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,13 +88,16 @@ def iter_safetensors(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 class ModelRunner:
-    """The compact model plus its KV cache `[layers, 2, slots, kv_heads, max_seq_len, head_dim]`."""
+    """The compact model plus its KV cache `[layers, 2, slots, kv_heads, max_seq_len, head_dim]`;
+    for a vision-language model also its vision tower (`vision_tower.py`)."""
 
     def __init__(
         self, args: LlamaArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
         device: torch.device | str = "cpu", fast_matmuls: bool = True, cpu_kernels: bool = True,
+        vision: VisionTower | None = None,
     ) -> None:
         self.device = torch.device(device)
+        self.vision = vision
         # The decode batch is at most num_slots rows: the packed weight layout is tuned for it.
         self.model = LlamaModel(
             args, dtype, self.device, rows_hint=num_slots, fast_matmuls=fast_matmuls,
@@ -111,18 +121,52 @@ class ModelRunner:
 
     def run(self, batch: Batch) -> torch.Tensor:
         seqs = batch.seqs
+        ids = [self._readable(s) for s in seqs]
         if batch.phase == Phase.DECODE:
             positions = [s.num_tokens - 1 for s in seqs]
+            deltas = {s.rope_delta for s in seqs}
+            # one delta (every prompt of a group; the kernels' case) or one per row
+            offset = deltas.pop() if len(deltas) == 1 else self._tensor(
+                [s.rope_delta for s in seqs])
             # The attended length from the host list: no device sync to read positions.max().
             return self.model.decode(
-                self._tensor([s.token_ids[-1] for s in seqs]), self._tensor(positions),
-                self.cache, attend=max(positions) + 1,
+                self._tensor([x[-1] for x in ids]), self._tensor(positions),
+                self.cache, attend=max(positions) + 1, rope_offset=offset,
             )
         lengths = [s.num_tokens for s in seqs]
         width = max(lengths)
-        tokens = self._tensor([s.token_ids + [0] * (width - len(s.token_ids)) for s in seqs])
+        tokens = self._tensor([x + [0] * (width - len(x)) for x in ids])
         slots = self._tensor([s.slot for s in seqs])
+        if self.vision is not None and any(s.images is not None for s in seqs):
+            return self._prefill_images(seqs, ids, tokens, lengths, slots)
         return self.model.prefill(tokens, self._tensor(lengths), slots, self.cache)
+
+    def _readable(self, seq: Sequence) -> list[int]:
+        """The ids the model reads: a VLM reads generated vision tokens as 0 (vision_tower)."""
+        if self.vision is None:
+            return seq.token_ids
+        return self.vision.readable_ids(seq.token_ids, len(seq.prompt))
+
+    @torch.inference_mode()
+    def _prefill_images(self, seqs: list[Sequence], ids: list[list[int]], tokens: torch.Tensor,
+                        lengths: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """Prompts with images: each prompt's image tokens take its vision tower output (once
+        per prompt: cached by digest), and every token its M-RoPE position; each sequence keeps
+        its rope delta for decoding."""
+        vision, n, width = self.vision, len(seqs), tokens.shape[1]
+        positions = torch.zeros(3, n, width, dtype=torch.long)
+        x = self.model.embed_tokens(tokens).view(n, width, -1)
+        for row, (seq, seq_ids) in enumerate(zip(seqs, ids)):
+            grids = seq.images.grid_thw.tolist() if seq.images is not None else []
+            streams, seq.rope_delta = mrope_positions(seq_ids, vision.image_token_id, grids,
+                                                      vision.merge)
+            positions[:, row, :len(seq_ids)] = torch.tensor(streams)
+            if seq.images is not None:
+                at = tokens[row] == vision.image_token_id
+                x[row, at] = vision.embed(seq.images).to(x.dtype)
+        return self.model.prefill(tokens, self._tensor(lengths), slots, self.cache,
+                                  embeds=x.view(n * width, -1),
+                                  rope=self.model.mrope_rows(positions))
 
     @torch.inference_mode()
     def move_slots(self, moves: list[tuple[int, int]]) -> None:
@@ -132,14 +176,23 @@ class ModelRunner:
             self.cache[:, :, dst].copy_(self.cache[:, :, src])
 
     def load_weights(self, weights, strict: bool = True) -> None:
-        self.model.load_weights(weights, strict=strict)
+        if self.vision is None:
+            self.model.load_weights(weights, strict=strict)
+            return
+        parts: dict[str, list] = {"language": [], "vision": []}
+        for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
+            part, inner = split_weight_name(name)
+            parts[part].append((inner, tensor))
+        self.vision.load_weights(parts["vision"], strict)  # checks all before copying any
+        self.model.load_weights(parts["language"], strict=strict)
 
     def check_images(self, input_ids: list[int], images: Any) -> None:
-        if images is None:
+        if self.vision is None:
+            if images is not None:
+                raise ValueError("this is a text-only model; a prompt with images needs a "
+                                 "vision-language model")
             return
-        raise ValueError("the native engine runs text models only; a prompt with images needs "
-                         "a vision-language model, which the engine serves with backend 'hf' "
-                         "(engine.backend auto picks it for such a model)")
+        check_image_tokens(input_ids, images, self.vision.image_token_id, self.vision.merge)
 
 
 class HFModelRunner:
@@ -167,18 +220,10 @@ class HFModelRunner:
         if images is not None and not self.vision:
             raise ValueError(f"{type(self.model).__name__} is a text-only model; a prompt with "
                              "images needs a vision-language model")
-        if not self.vision:
-            return
-        from asyncrl.models.vision import image_tokens
-
-        cfg = self.model.config
-        want = (0 if images is None else
-                sum(image_tokens(images.grid_thw, cfg.vision_config.spatial_merge_size)))
-        got = input_ids.count(cfg.image_token_id)
-        if got != want:
-            raise ValueError(f"the prompt has {got} image tokens but its images' grids need "
-                             f"{want}: encode it with models/vision.py's VisionPromptEncoder "
-                             "(a prompt without images must hold no image token)")
+        if self.vision:
+            cfg = self.model.config
+            check_image_tokens(input_ids, images, cfg.image_token_id,
+                               cfg.vision_config.spatial_merge_size)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
@@ -241,7 +286,10 @@ def load_runner(
     if reason:
         raise ValueError(f"backend='native' cannot run {str(path)!r}: {reason}; use backend='auto'")
     args = LlamaArgs.from_hf_config(hf_config)
-    runner = ModelRunner(args, num_slots, max_seq_len, dtype, device, fast_matmuls, cpu_kernels)
+    vision = (VisionTower(str(path), hf_config, dtype, torch.device(device))
+              if is_vlm_config(hf_config) else None)
+    runner = ModelRunner(args, num_slots, max_seq_len, dtype, device, fast_matmuls, cpu_kernels,
+                         vision)
     # Host-staged, then copied into the preallocated device tensors: `load_weights` holds every
     # tensor until all are checked, and staging on the GPU would double its peak memory.
     runner.load_weights(iter_safetensors(path))
