@@ -1,8 +1,9 @@
 """The same code paths serve a Qwen2.5-VL as the embedded Qwen2-VL: a tiny random Qwen2.5-VL
 (window attention in its vision tower, a gated MLP, out_hidden_size) built here with the embedded
 tokenizer and image processor, since no hub is reachable. Its prompt encodes through
-VisionPromptEncoder, the in-process engine samples with the image, and the trainer's per-token
-logprobs equal the sampler's (fp32, 1e-4)."""
+VisionPromptEncoder, the in-process engine (the compact model with its vision tower, and the
+transformers fallback) samples with the image, and the trainer's per-token logprobs equal the
+sampler's (fp32, 1e-4)."""
 
 from __future__ import annotations
 
@@ -52,11 +53,13 @@ def qwen25_dir(tmp_path_factory):
     return out
 
 
-def test_a_qwen25_vl_samples_and_trains_with_equal_logprobs(qwen25_dir):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_qwen25_vl_samples_and_trains_with_equal_logprobs(qwen25_dir, backend):
     encoder = VisionPromptEncoder.from_model_dir(qwen25_dir)
     rows = CountingTaskConfig(num_train=0, num_eval=2).build().eval_rows()
     prompts = [row_prompt(encoder.tokenizer, encoder, r) for r in rows]
-    engine = LLMEngine(EngineConfig(model_path=str(qwen25_dir)))
+    engine = LLMEngine(EngineConfig(model_path=str(qwen25_dir), backend=backend))
+    assert (engine.runner.vision.module is not None) if backend == "native" else True
     g = GenerationConfig(max_new_tokens=6, min_new_tokens=6, temperature=1.0, top_k=0, seed=5)
     outs = engine.generate([ModelRequest(ids, g, rid=f"r{i}", images=images)
                             for i, (ids, images) in enumerate(prompts)])

@@ -26,8 +26,8 @@ from asyncrl.inference.vision_tower import (
     check_image_tokens,
     is_vlm_config,
     mrope_positions,
-    split_weight_name,
 )
+from asyncrl.models.weight_names import split_vlm_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -181,7 +181,7 @@ class ModelRunner:
             return
         parts: dict[str, list] = {"language": [], "vision": []}
         for name, tensor in weights.items() if isinstance(weights, Mapping) else weights:
-            part, inner = split_weight_name(name)
+            part, inner = split_vlm_name(name)
             parts[part].append((inner, tensor))
         self.vision.load_weights(parts["vision"], strict)  # checks all before copying any
         self.model.load_weights(parts["language"], strict=strict)

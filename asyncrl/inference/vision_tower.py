@@ -35,8 +35,6 @@ TOWERS = {
                    "Qwen2_5_VisionTransformerPretrainedModel"),
 }
 VLM_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-_VISION_PREFIXES = ("model.visual.", "visual.")  # transformers 5 in memory; checkpoints on disk
-_LANGUAGE_PREFIXES = ("model.language_model.", "language_model.model.")
 CACHED_PROMPTS = 32  # vision outputs kept (a few GRPO groups' prompts)
 
 
@@ -63,17 +61,6 @@ def language_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings") or (
         cfg.get("text_config") or {}).get("tie_word_embeddings"))
     return out
-
-
-def split_weight_name(name: str) -> tuple[str, str]:
-    """("vision", name in the vision module) or ("language", name in the compact decoder)."""
-    for prefix in _VISION_PREFIXES:
-        if name.startswith(prefix):
-            return "vision", name[len(prefix):]
-    for prefix in _LANGUAGE_PREFIXES:
-        if name.startswith(prefix):
-            return "language", "model." + name[len(prefix):]
-    return "language", name
 
 
 def image_token_count(grid_thw: torch.Tensor, merge: int) -> list[int]:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.models.weight_names import spellings
+
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the HF model
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -97,15 +99,17 @@ class AdapterMerger:
 
 
 def read_safetensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Just `names` from the model's (possibly sharded) *.safetensors files."""
+    """Just `names` from the model's (possibly sharded) *.safetensors files, each found under
+    any of its spellings (a VLM's in-memory names differ from its checkpoint's: weight_names)."""
     from safetensors import safe_open
 
-    wanted, out = set(names), {}
+    wanted = {alias: name for name in names for alias in reversed(spellings(name))}
+    out: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for key in wanted.intersection(f.keys()):
-                out[key] = f.get_tensor(key).float()
-    missing = sorted(wanted - set(out))
+            for key in set(wanted).intersection(f.keys()):
+                out[wanted[key]] = f.get_tensor(key).float()
+    missing = sorted(set(names) - set(out))
     if missing:
         raise ValueError(f"the adapter adapts weights {missing[:3]} that the base model in "
                          f"{model_dir} does not have")
