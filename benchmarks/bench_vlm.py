@@ -1,20 +1,19 @@
 """The built-in engine vs transformers `generate` on the embedded tiny VLM, in one run.
 
 The tiny Qwen2-VL (`asyncrl build-model --preset tiny-vl`: 6.6M parameters, 112-px images -> 16
-image tokens) and `--batch` rendered counting prompts (one image each, 64 prompt tokens) go
-through both; every sequence generates exactly `--new-tokens` tokens (EOS ignored), sampled at
-temperature 1. Tokens/s counts generated tokens over wall time including prefill; images/s is
-prompts (one image each) over the same time. Both alternate in one process (one warm-up, then
-best of --repeats each), so a noisy machine slows both alike: compare the ratio column.
+image tokens) and `--batches` of rendered counting prompts (one image each, 64 prompt tokens) go
+through transformers `generate` and the engine on both of its runners: the compact model
+(`native`: vision tower once per prompt, M-RoPE, KV cache, C++ decode kernels) and the
+transformers fallback (`hf`: recomputes every sequence, image included, at every step). Every
+sequence generates exactly `--new-tokens` tokens (EOS ignored), sampled at temperature 1.
+Tokens/s counts generated tokens over wall time including prefill; images/s is prompts (one image
+each) over the same time. All alternate in one process (one warm-up, then best of --repeats
+each), so a noisy machine slows them alike: compare the ratio columns.
 
 Also timed: the vision tower alone on the batch's images (per prompt), against a whole prompt's
 forward (vision tower + language model over the 64 tokens), the share of a prefill the tower is.
 
-The engine serves a VLM on its transformers fallback runner (the compact native model is
-text-only), which recomputes every sequence, image included, at every step: this benchmark is
-where that cost shows.
-
-    python benchmarks/bench_vlm.py                    # batch 16, 16 new tokens, best of 3
+    python benchmarks/bench_vlm.py                    # batches 1, 16, 64; 16 new tokens; best of 3
     python benchmarks/bench_vlm.py --json benchmarks/results/bench_vlm.json
 """
 from __future__ import annotations
@@ -94,40 +93,53 @@ def tower_costs(model, prompts, images, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    rows_out = []
     with tempfile.TemporaryDirectory() as tmp:
         path = build_preset_model("tiny-vl", tmp)
         encoder = VisionPromptEncoder.from_model_dir(path)
-        rows = CountingTaskConfig(num_train=0, num_eval=args.batch).build().eval_rows()
-        prompts, images = zip(*(row_prompt(encoder.tokenizer, encoder, r) for r in rows))
+        rows = CountingTaskConfig(num_train=0, num_eval=max(batches)).build().eval_rows()
+        all_prompts, all_images = zip(*(row_prompt(encoder.tokenizer, encoder, r) for r in rows))
         model = policy_model_class(True).from_pretrained(str(path), local_files_only=True).eval()
-        engine = LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=args.batch))
-        hf = best(lambda: run_hf(model, prompts, list(images), args.new_tokens), args.repeats)
-        ours = best(lambda: run_ours(engine, prompts, images, args.new_tokens), args.repeats)
-        tower, prefill = tower_costs(model, prompts, list(images), args.repeats)
-    tokens = args.batch * args.new_tokens
+        engines = {b: LLMEngine(EngineConfig(model_path=str(path), max_num_seqs=max(batches),
+                                             backend=b)) for b in ("native", "hf")}
+        print(f"tiny VLM, {len(all_prompts[0])}-token prompts "
+              f"({all_prompts[0].count(encoder.pad_id)} image tokens), {args.new_tokens} new "
+              f"tokens, {torch.get_num_threads()} threads, best of {args.repeats}")
+        print(f"{'batch':>5} {'HF generate':>12} {'native':>10} {'fallback':>10} "
+              f"{'native/HF':>10} {'fallback/HF':>12} {'native img/s':>13}")
+        for batch in batches:
+            prompts, images = all_prompts[:batch], list(all_images[:batch])
+            hf = best(lambda: run_hf(model, prompts, images, args.new_tokens), args.repeats)
+            ours = {b: best(lambda e=e: run_ours(e, prompts, images, args.new_tokens),
+                            args.repeats) for b, e in engines.items()}
+            tokens = batch * args.new_tokens
+            rows_out.append({
+                "batch": batch, "hf_tokens_per_s": tokens / hf,
+                "native_tokens_per_s": tokens / ours["native"],
+                "fallback_tokens_per_s": tokens / ours["hf"],
+                "native_images_per_s": batch / ours["native"],
+                "native_over_hf": hf / ours["native"], "fallback_over_hf": hf / ours["hf"]})
+            r = rows_out[-1]
+            print(f"{batch:>5} {r['hf_tokens_per_s']:>12.1f} {r['native_tokens_per_s']:>10.1f} "
+                  f"{r['fallback_tokens_per_s']:>10.1f} {r['native_over_hf']:>9.2f}x "
+                  f"{r['fallback_over_hf']:>11.2f}x {r['native_images_per_s']:>13.1f}")
+        n = min(16, max(batches))
+        tower, prefill = tower_costs(model, all_prompts[:n], list(all_images[:n]), args.repeats)
+    print(f"  (tokens/s; vision tower: {tower * 1e3:.2f} ms per prompt = {tower / prefill:.0%} of "
+          f"a whole prompt forward, {prefill * 1e3:.2f} ms per prompt)")
     result = {
-        "machine_threads": torch.get_num_threads(), "batch": args.batch,
-        "new_tokens": args.new_tokens, "prompt_tokens": len(prompts[0]),
-        "image_tokens": prompts[0].count(encoder.pad_id),
-        "hf_tokens_per_s": tokens / hf, "ours_tokens_per_s": tokens / ours,
-        "hf_images_per_s": args.batch / hf, "ours_images_per_s": args.batch / ours,
-        "ours_over_hf": hf / ours, "runner": type(engine.runner).__name__,
+        "machine_threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
+        "prompt_tokens": len(all_prompts[0]),
+        "image_tokens": all_prompts[0].count(encoder.pad_id), "by_batch": rows_out,
         "vision_tower_ms_per_prompt": tower * 1e3, "prompt_forward_ms_per_prompt": prefill * 1e3,
         "tower_share_of_prompt_forward": tower / prefill,
     }
-    print(f"tiny VLM, batch {args.batch}, {len(prompts[0])}-token prompts "
-          f"({result['image_tokens']} image tokens), {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads, best of {args.repeats}")
-    print(f"  transformers generate: {tokens / hf:8.1f} tok/s  {args.batch / hf:6.2f} images/s")
-    print(f"  asyncrl engine ({result['runner']}): {tokens / ours:8.1f} tok/s  "
-          f"{args.batch / ours:6.2f} images/s  ours/HF {hf / ours:.2f}x")
-    print(f"  vision tower: {tower * 1e3:.2f} ms per prompt = {tower / prefill:.0%} of a whole "
-          f"prompt forward ({prefill * 1e3:.2f} ms per prompt)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

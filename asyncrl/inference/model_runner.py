@@ -156,14 +156,15 @@ class ModelRunner:
         vision, n, width = self.vision, len(seqs), tokens.shape[1]
         positions = torch.zeros(3, n, width, dtype=torch.long)
         x = self.model.embed_tokens(tokens).view(n, width, -1)
+        with_images = [row for row, s in enumerate(seqs) if s.images is not None]
+        embeds = vision.embed([seqs[row].images for row in with_images])
+        for row, image_embeds in zip(with_images, embeds):
+            x[row, tokens[row] == vision.image_token_id] = image_embeds.to(x.dtype)
         for row, (seq, seq_ids) in enumerate(zip(seqs, ids)):
             grids = seq.images.grid_thw.tolist() if seq.images is not None else []
             streams, seq.rope_delta = mrope_positions(seq_ids, vision.image_token_id, grids,
                                                       vision.merge)
             positions[:, row, :len(seq_ids)] = torch.tensor(streams)
-            if seq.images is not None:
-                at = tokens[row] == vision.image_token_id
-                x[row, at] = vision.embed(seq.images).to(x.dtype)
         return self.model.prefill(tokens, self._tensor(lengths), slots, self.cache,
                                   embeds=x.view(n * width, -1),
                                   rope=self.model.mrope_rows(positions))

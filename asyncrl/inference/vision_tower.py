@@ -154,21 +154,25 @@ class VisionTower:
         self._cache.clear()
 
     @torch.inference_mode()
-    def embed(self, images: Any) -> torch.Tensor:
-        """[image tokens, hidden] of a prompt's images (ImageInputs), from the cache when their
-        digest was seen since the last weight update."""
-        hit = self._cache.get(images.digest)
-        if hit is not None:
-            self._cache.move_to_end(images.digest)
-            return hit
-        device = next(self.module.parameters()).device
-        out = self.module(images.pixel_values.to(device, self.module.dtype),
-                          grid_thw=images.grid_thw.to(device))
-        embeds = out.pooler_output if hasattr(out, "pooler_output") else out
-        self._cache[images.digest] = embeds
-        if len(self._cache) > CACHED_PROMPTS:
+    def embed(self, prompts: Sequence[Any]) -> list[torch.Tensor]:
+        """[image tokens, hidden] of each prompt's images (ImageInputs): from the cache when
+        their digest was seen since the last weight update, the rest in one tower call."""
+        out = {d: self._cache[d] for d in {x.digest for x in prompts} if d in self._cache}
+        todo = list({x.digest: x for x in prompts if x.digest not in out}.values())
+        if todo:
+            device = next(self.module.parameters()).device
+            grid = torch.cat([x.grid_thw for x in todo])
+            result = self.module(torch.cat([x.pixel_values for x in todo]).to(
+                device, self.module.dtype), grid_thw=grid.to(device))
+            merged = result.pooler_output if hasattr(result, "pooler_output") else result
+            sizes = [sum(image_token_count(x.grid_thw, self.merge)) for x in todo]
+            out.update(zip((x.digest for x in todo), merged.split(sizes)))
+        for x in prompts:
+            self._cache[x.digest] = out[x.digest]
+            self._cache.move_to_end(x.digest)
+        while len(self._cache) > CACHED_PROMPTS:
             self._cache.popitem(last=False)
-        return embeds
+        return [out[x.digest] for x in prompts]
 
     def readable_ids(self, token_ids: Sequence[int], prompt_len: int) -> list[int]:
         """`token_ids` as the trainer reads them: generated vision tokens as id 0."""
