@@ -16,8 +16,10 @@ version range, RL routes mounted, logprobs mode) and the version the server repo
 (`parse_health`), which the client compares after every weight update.
 
 Each backend's plugin config (`inference.backend: vllm`) declares what its servers support (the
-weight transports `weight_syncs`, runtime `lora`, an `untied_head`, the versions `tested`), builds
-the adapter (`build`) and writes the command that starts a server (`server_command`); config
+weight transports `weight_syncs`, runtime `lora`, an `untied_head`, the versions `tested`, and,
+optionally, `images`: prompts with images, then built with `build(..., images=...)` and sent by
+`generate_call(..., images=...)`), builds the adapter (`build`) and writes the command that starts
+a server (`server_command`); config
 validation, the launch layer and the CLI's choices read those declarations. A backend of your own
 is a config class like these and `BACKENDS.register(YourConfig)`.
 """

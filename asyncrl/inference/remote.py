@@ -89,7 +89,7 @@ class RemoteInferenceEngine:
         if req.gconfig.n_samples != 1:
             raise ValueError(f"n_samples={req.gconfig.n_samples} is out of range; allowed [1, 1]: "
                              "expand a group into one request per sample")
-        if req.images is not None and not self.backend.supports_images:
+        if req.images is not None and not getattr(self.backend, "supports_images", False):
             raise ValueError(f"the {self.backend.name} backend sends no images to its servers; "
                              "serve a prompt with images on the vllm backend or the in-process "
                              "engine")
@@ -212,7 +212,7 @@ class RemoteInferenceEngine:
         stream = self.backend.supports_stream
         call = self.backend.generate_call(list(progress.req.input_ids) + progress.tokens,
                                           progress.next_config(), call_rid, stream=stream,
-                                          images=progress.req.images)
+                                          **_images(progress.req))
         epoch, version, submitted = self._gate.epoch, server.version, time.perf_counter()
         self._count("calls")
         try:
@@ -392,7 +392,7 @@ class RemoteInferenceEngine:
         checks that must see what each server computes, e.g. logprobs after a weight update."""
         async def one(server: ServerState) -> tuple[str, ModelResponse]:
             call = self.backend.generate_call(list(req.input_ids), req.gconfig,
-                                              f"{req.rid}@{server.index}", images=req.images)
+                                              f"{req.rid}@{server.index}", **_images(req))
             seg = self.backend.parse_generate(
                 await self._request(server, call, self._gen_timeout()))
             seg.versions = seg.versions or [server.version] * len(seg.tokens)
@@ -427,3 +427,9 @@ class RemoteInferenceEngine:
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
+
+
+def _images(req: ModelRequest) -> dict[str, Any]:
+    """generate_call's images argument, passed only with images (a backend plugin written
+    before backends took images has no such parameter)."""
+    return {} if req.images is None else {"images": req.images}

@@ -242,8 +242,11 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
         else:
             remote_cfg = cfg.remote
         # lora: a backend that takes adapters checks its servers' settings at startup
-        engine = RemoteInferenceEngine(remote_cfg, backend.build(
-            model=remote_cfg.model, lora=lora, images=is_vision_language(model_dir)))
+        # images: declared by backends that send them (a plugin may predate the declaration)
+        images = ({"images": is_vision_language(model_dir)}
+                  if getattr(backend, "images", False) else {})
+        engine = RemoteInferenceEngine(remote_cfg, backend.build(model=remote_cfg.model,
+                                                                 lora=lora, **images))
         stack.callback(engine.close)
         if servers is not None:
             stack.enter_context(servers.watching(engine))

@@ -234,8 +234,9 @@ class TrainRunConfig(Config):
             raise ValueError(f"{kind}: workflow.kind={self.workflow.kind!r} does not pass images "
                              "yet; allowed: rlvr, agent (image_url parts through the proxy)")
         backend = self.inference.backend
-        if self.inference.mode != "inprocess" and not backend.images:
-            allowed = [k for k in BACKENDS.kinds() if BACKENDS.config_class(k).images]
+        if self.inference.mode != "inprocess" and not getattr(backend, "images", False):
+            allowed = [k for k in BACKENDS.kinds()
+                       if getattr(BACKENDS.config_class(k), "images", False)]
             raise ValueError(f"{kind}: inference.backend={backend.kind!r} sends no images to its "
                              f"servers; allowed: {allowed} (or inference.mode=inprocess)")
 
