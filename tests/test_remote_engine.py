@@ -409,6 +409,27 @@ def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_di
     wrong.close()
 
 
+def test_a_call_to_every_server_waits_for_one_marked_failed(servers):
+    """The weight canary's call to every server, when every server is out of rotation (marked
+    failed by a call that broke): it probes them within `unavailable_wait_s` and reaches those
+    that answer, instead of ending the run with "no healthy server". Servers that stay away
+    give an empty answer once the bound has passed."""
+    engine = make_engine(servers[:1])
+    engine.pool.mark_failed(engine.pool.servers[0], "a stream broke")
+    req = ModelRequest([5, 6, 7], fixed_len(3), rid="canary")
+    answers = asyncio.run(engine.generate_on_each(req))
+    assert [a for a, _ in answers] == [servers[0][0]] and answers[0][1].output_len == 3
+    engine.close()
+    gone = RemoteInferenceEngine(RemoteEngineConfig(
+        addresses=[f"http://127.0.0.1:{free_port()}"], unavailable_wait_s=0.5,
+        backoff_base_s=0.05, backoff_max_s=0.1, connect_timeout_s=1.0), make_backend("asyncrl"))
+    gone.pool.mark_failed(gone.pool.servers[0], "down")
+    t0 = time.monotonic()
+    assert asyncio.run(gone.generate_on_each(req)) == []
+    assert 0.5 <= time.monotonic() - t0 < 10
+    gone.close()
+
+
 def test_sticky_rid_and_health_probe_brings_a_server_back(servers):
     engine = make_engine(servers, health_check_interval_s=0.3)
 

@@ -61,6 +61,9 @@ class RemoteEngineConfig(Config):
     backoff_base_s: float = pydantic.Field(0.2, ge=0)
     backoff_max_s: float = pydantic.Field(5.0, ge=0)  # longest retry delay
     health_check_interval_s: float = pydantic.Field(2.0, gt=0)  # between probes of a bad server
+    # when no server is healthy (one briefly unreachable, a restart), how long a call to every
+    # server (the weight canary) probes for one before it fails
+    unavailable_wait_s: float = pydantic.Field(60.0, ge=0)
     max_interruptions: int = pydantic.Field(64, ge=0)  # then return the partial output (ABORT)
     # weight_sync nccl/gloo: ranks each server takes in the weight group (asyncrl serve: 1;
     # SGLang: its tensor-parallel size; vLLM servers report theirs)
