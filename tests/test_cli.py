@@ -90,3 +90,20 @@ def test_dataset_row_without_answer(tmp_path):
 @pytest.mark.parametrize("argv", [["--help"], ["sft", "--help"]])
 def test_help(argv, tmp_path):
     assert "usage" in run_cli(argv, tmp_path, check_rc=0).stdout
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_local_servers_without_their_package_are_one_error_naming_server_python(tmp_path,
+                                                                                 backend):
+    """`inference.mode=local` with this python, which has neither vLLM nor SGLang: refused
+    before any server starts, naming inference.server_python (not the server's traceback)."""
+    from asyncrl.models.config import TinyModelConfig
+    from asyncrl.models.tiny import build_tiny_model
+
+    model = build_tiny_model(TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2,
+                                             num_kv_heads=1, intermediate_size=128),
+                             tmp_path / "model")
+    proc = run_cli(["train", "configs/train_tiny.yaml", f"model.path={model}",
+                    "inference.mode=local", f"inference.backend={backend}", "total_steps=1",
+                    f"output_dir={tmp_path / 'run'}"], tmp_path)
+    assert_one_clean_error(proc, "inference.server_python=", f"no module named '{backend}'")

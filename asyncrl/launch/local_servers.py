@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from asyncrl.errors import UserError
 from asyncrl.inference.backend_protocol import READY_PREFIX, ServerCommand
 
 PR_SET_PDEATHSIG = 1
@@ -30,6 +31,35 @@ PR_SET_PDEATHSIG = 1
 
 class ServerStartError(RuntimeError):
     """A server exited or stayed silent before announcing its address."""
+
+
+class ServerPythonError(UserError):
+    """The interpreter a server command names cannot run it (missing, or without the package)."""
+
+
+# exits 1 when the module cannot be found, without importing it (vLLM's import takes seconds)
+_FIND_SPEC = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
+
+
+def check_server_python(cmd: ServerCommand) -> None:
+    """A server run as `python -m package...` needs `package` in that python: checked before
+    starting (a second), instead of a server that dies during startup with "No module named"."""
+    argv = cmd.argv
+    if len(argv) < 3 or argv[1] != "-m":
+        return
+    python, module = argv[0], argv[2].split(".")[0]
+    fix = (f"point inference.server_python at the python of a virtual environment that has "
+           f"{module} installed (the README's 'Rollouts from vLLM or SGLang servers' builds one)")
+    try:
+        found = subprocess.run([python, "-c", _FIND_SPEC, module], capture_output=True,
+                               text=True, timeout=120, env=dict(os.environ, **cmd.env))
+    except (FileNotFoundError, PermissionError) as err:
+        raise ServerPythonError(f"inference.server_python={python!r} cannot run ({err}); "
+                                f"{fix}") from None
+    if found.returncode != 0:
+        why = found.stderr.strip().splitlines()[-1:] or [f"no module named {module!r}"]
+        raise ServerPythonError(f"inference.server_python={python!r} cannot start the {module} "
+                                f"servers: {why[0]}; {fix}")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -64,6 +94,7 @@ class LocalServers:
 
     def start(self) -> LocalServers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        check_server_python(self.make_command(self.api_key))
         try:
             for i in range(self.count):  # all start together: each spends seconds importing
                 cmd = self.make_command(self.api_key)
