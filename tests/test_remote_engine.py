@@ -298,6 +298,28 @@ def test_sglang_request_and_reply_mapping():
     assert backend.parse_generate({"meta_info": length}).stop_reason is StopReason.LENGTH
     with pytest.raises(BackendReplyError, match="finish_reason"):
         backend.parse_generate({"meta_info": {**meta, "finish_reason": None}})
+
+
+def test_sglang_stream_events_place_their_tokens():
+    """SGLang streams the output so far in each event (or only the new part, started with
+    --incremental-streaming-output); meta_info.completion_tokens places either."""
+    backend = SGLangBackend()
+    assert backend.generate_call([1], GenerationConfig(), "r", stream=True).json["stream"]
+    triples = SGLANG_REPLY["meta_info"]["output_token_logprobs"]
+
+    def event(entries, total, finish=None):
+        return {"meta_info": {"finish_reason": finish, "completion_tokens": total,
+                              "weight_version": "2", "output_token_logprobs": entries}}
+
+    so_far = backend.parse_stream_event(event(triples[:2], 2))
+    assert (so_far.tokens, so_far.offset, so_far.stop_reason) == ([13048, 0], 0, None)
+    last = backend.parse_stream_event(event(triples[2:], 3, {"type": "stop"}))
+    assert (last.tokens, last.offset, last.stop_reason) == ([151643], 2, StopReason.STOP)
+    assert last.versions == [2]
+    with pytest.raises(BackendReplyError, match="SGLang stream error"):
+        backend.parse_stream_event({"error": {"message": "bad"}})
+    with pytest.raises(BackendReplyError, match="completion_tokens"):
+        backend.parse_stream_event(event(triples, 1))
     (update,) = backend.disk_update_calls("/w", 3)
     assert update.json == {"model_path": "/w", "weight_version": "3"}
     assert backend.pause_call().path == "/pause_generation"

@@ -141,6 +141,9 @@ class Delta:
     logprobs: list[float]
     stop_reason: StopReason | None = None
     versions: list[int] | None = None  # per token, from servers that report them (asyncrl)
+    # where `tokens` start in the call's output: None appends; an int replaces from there
+    # (servers whose events repeat the output so far: SGLang without incremental streaming)
+    offset: int | None = None
 
 
 class Backend(Protocol):

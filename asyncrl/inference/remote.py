@@ -273,11 +273,16 @@ class RemoteInferenceEngine:
                     if data == "[DONE]":
                         break
                     delta = self.backend.parse_stream_event(json.loads(data))
-                    got.tokens += delta.tokens
-                    got.logprobs += delta.logprobs
+                    before = len(got.tokens)
+                    at = before if delta.offset is None else delta.offset
+                    if at > before:
+                        raise BackendReplyError(f"a stream event starts at token {at} after "
+                                                f"{before} received")
+                    got.tokens[at:] = delta.tokens
+                    got.logprobs[at:] = delta.logprobs
                     if delta.versions is not None:
-                        got.versions = (got.versions or []) + delta.versions
-                    self.pool.add_tokens(server, len(delta.tokens))
+                        got.versions = (got.versions or [])[:at] + delta.versions
+                    self.pool.add_tokens(server, len(got.tokens) - before)
                     if delta.stop_reason is not None:
                         got.stop_reason, finished = delta.stop_reason, True
         except httpx.TimeoutException as err:

@@ -9,6 +9,7 @@ from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
     NEUTRAL_SAMPLING,
     BackendReplyError,
+    Delta,
     GroupJoin,
     HttpCall,
     LoraServing,
@@ -80,7 +81,7 @@ class SGLangBackend:
     broadcast_layout = "per_tensor"
     supports_tensor_push = False
     supports_images = False
-    supports_stream = False
+    supports_stream = True
     tested = ((0, 5, 23), (0, 6))
 
     def __init__(self, model: str | None = None) -> None:
@@ -107,24 +108,41 @@ class SGLangBackend:
         if g.seed is not None:
             params["sampling_seed"] = g.seed
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True,
-                "rid": _sglang_rid(rid), "stream": False}
+                "rid": _sglang_rid(rid), "stream": stream}
         return HttpCall("POST", "/generate", json=body)
 
     def parse_generate(self, body: Any) -> Segment:
+        delta = self._reply(body, final=True)
+        return Segment(tokens=delta.tokens, logprobs=delta.logprobs, versions=delta.versions,
+                       stop_reason=delta.stop_reason)
+
+    def parse_stream_event(self, event: Any) -> Delta:
+        """One event of a streamed /generate: the output so far (or, on a server started with
+        --incremental-streaming-output, the new part), placed by meta_info.completion_tokens."""
+        if isinstance(event, dict) and "error" in event:
+            raise BackendReplyError(f"SGLang stream error: {str(event['error'])[:300]}")
+        return self._reply(event, final=False)
+
+    @staticmethod
+    def _reply(body: Any, final: bool) -> Delta:
         meta = reply_field(body, "meta_info")
         finish = meta.get("finish_reason")
         kind = finish.get("type") if isinstance(finish, dict) else None
-        if kind not in _SGLANG_FINISH:
+        if kind not in _SGLANG_FINISH and (final or finish is not None):
             raise BackendReplyError(f"SGLang finish_reason {finish!r}; known types "
                                     f"{list(_SGLANG_FINISH)}")
         triples = reply_field(meta, "output_token_logprobs")
         ids = [int(t[1]) for t in triples]
-        if "output_ids" in body and list(body["output_ids"]) != ids:
+        total = meta.get("completion_tokens", len(ids))
+        if not is_int(total) or int(total) < len(ids):
+            raise BackendReplyError(f"SGLang meta_info.completion_tokens={total!r} with "
+                                    f"{len(ids)} output tokens")
+        if final and "output_ids" in body and list(body["output_ids"]) != ids:
             raise BackendReplyError("SGLang output_ids differ from output_token_logprobs ids")
         version = meta.get("weight_version")
         stamped = [int(version)] * len(ids) if is_int(version) else None
-        return Segment(tokens=ids, logprobs=[float(t[0]) for t in triples], versions=stamped,
-                       stop_reason=_SGLANG_FINISH[kind])
+        return Delta(ids, [float(t[0]) for t in triples], _SGLANG_FINISH.get(kind), stamped,
+                     offset=int(total) - len(ids))
 
     def health_call(self) -> HttpCall:
         return HttpCall("GET", "/model_info")
