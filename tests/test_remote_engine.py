@@ -299,6 +299,14 @@ def test_sglang_request_and_reply_mapping():
     with pytest.raises(BackendReplyError, match="finish_reason"):
         backend.parse_generate({"meta_info": {**meta, "finish_reason": None}})
 
+    (update,) = backend.disk_update_calls("/w", 3)
+    assert update.json == {"model_path": "/w", "weight_version": "3"}
+    assert backend.pause_call().path == "/pause_generation"
+    # /abort_request matches by prefix: r1 must not abort r10
+    assert call.json["rid"] == "rid-1~" and backend.abort_call("rid-1").json == {"rid": "rid-1~"}
+    assert sp["repetition_penalty"] == 1.0 and sp["min_p"] == 0.0
+    assert backend.parse_health({"weight_version": "default"}) == 0
+    assert backend.parse_health({"weight_version": "4"}) == 4
 
 def test_sglang_stream_events_place_their_tokens():
     """SGLang streams the output so far in each event (or only the new part, started with
@@ -320,14 +328,6 @@ def test_sglang_stream_events_place_their_tokens():
         backend.parse_stream_event({"error": {"message": "bad"}})
     with pytest.raises(BackendReplyError, match="completion_tokens"):
         backend.parse_stream_event(event(triples, 1))
-    (update,) = backend.disk_update_calls("/w", 3)
-    assert update.json == {"model_path": "/w", "weight_version": "3"}
-    assert backend.pause_call().path == "/pause_generation"
-    # /abort_request matches by prefix: r1 must not abort r10
-    assert call.json["rid"] == "rid-1~" and backend.abort_call("rid-1").json == {"rid": "rid-1~"}
-    assert sp["repetition_penalty"] == 1.0 and sp["min_p"] == 0.0
-    assert backend.parse_health({"weight_version": "default"}) == 0
-    assert backend.parse_health({"weight_version": "4"}) == 4
 
 
 def test_unsupported_weight_updates_are_value_errors():
