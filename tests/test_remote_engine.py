@@ -4,6 +4,7 @@ weights, and a server killed mid-batch. The vLLM and SGLang adapters are tested 
 shapes (no such servers here). Server tests run in file order: the last one kills a server."""
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -130,7 +131,7 @@ def test_config_validation_names_the_field():
         make_backend("tgi")
 
 
-def test_server_commands_carry_what_rl_needs():
+def test_server_commands_carry_what_rl_needs(tmp_path):
     v = server_command("vllm", "/m", python="/venv/bin/python", engine=EngineSettings(max_num_seqs=8), api_key="k")
     assert v.argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = " ".join(v.argv)
@@ -138,8 +139,19 @@ def test_server_commands_carry_what_rl_needs():
     assert f"--port {v.port}" in flags and v.port > 0 and "--host 127.0.0.1" in flags
     assert v.env["VLLM_SERVER_DEV_MODE"] == "1" and v.env["VLLM_API_KEY"] == "k"
     assert "k" not in v.argv  # the key stays out of `ps`
-    sg = server_command("sglang", "/m", api_key="k")
-    assert "sglang.launch_server" in sg.argv and "--model-path" in sg.argv and sg.port > 0
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({  # 2 layers x 2 kv heads x 32 x (k, v) x fp32
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
+        "num_hidden_layers": 2}))
+    sg = server_command("sglang", str(model), api_key="k",
+                        engine=EngineSettings(max_num_seqs=8, kv_cache_bytes=1 << 20))
+    assert sg.argv[1:3] == ["-m", "sglang.launch_server"] and sg.port > 0
+    flags = " ".join(sg.argv)
+    assert f"--model-path {model}" in flags and "--max-running-requests 8" in flags
+    # a CPU machine: SGLang's torch-native path, its KV cache bounded by kv_cache_bytes
+    assert sg.env == {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+    assert "--max-total-tokens 1024 --sleep-on-idle" in flags  # 1 MiB / 1 KiB per token
     ours = server_command("asyncrl", "/m", api_key="k")
     assert ours.port == 0 and ours.env == {"ASYNCRL_SERVER_API_KEY": "k"}
 

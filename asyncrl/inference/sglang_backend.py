@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
@@ -19,6 +21,7 @@ from asyncrl.inference.backend_protocol import (
     ServerLaunch,
     WireTensor,
     concrete_dtype,
+    cuda_available,
     free_port,
     is_int,
     join_body,
@@ -223,16 +226,34 @@ class SGLangBackendConfig(Config):
         raise ValueError("train.lora with backend 'sglang' is not supported")
 
     def server_command(self, model_dir: str, launch: ServerLaunch) -> ServerCommand:
-        """`python -m sglang.launch_server` with the engine's batch size and dtype."""
+        """`python -m sglang.launch_server` with the engine's batch size and dtype. On a machine
+        without CUDA also what SGLang's torch-native CPU path needs: SGLANG_USE_CPU_ENGINE=1,
+        OMP_NUM_THREADS (engine.num_threads, else 1: more threads slowed decoding to 6 tok/s
+        here), a KV cache bounded by engine.kv_cache_bytes (default 1 GiB, as vLLM-CPU's;
+        unbounded it took 12.9 GB) and --sleep-on-idle (else the idle scheduler spins a core)."""
         if launch.lora is not None:
             self.check_lora(launch.lora)
-        port = free_port(launch.host)
+        engine, port = launch.engine, free_port(launch.host)
         argv = [launch.python, "-m", "sglang.launch_server", "--model-path", model_dir,
                 "--host", launch.host, "--port", str(port), "--dtype",
-                concrete_dtype(launch.engine.dtype),
-                "--max-running-requests", str(launch.engine.max_num_seqs)]
+                concrete_dtype(engine.dtype), "--max-running-requests", str(engine.max_num_seqs)]
+        env: dict[str, str] = {}
         if launch.api_key:
             argv += ["--api-key", launch.api_key]
-        if launch.engine.trust_remote_code:
+        if engine.trust_remote_code:
             argv.append("--trust-remote-code")
-        return ServerCommand(argv + list(launch.extra_args), {}, port, host=launch.host)
+        if not cuda_available():
+            env = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": str(engine.num_threads or 1)}
+            tokens = (engine.kv_cache_bytes or 1 << 30) // kv_bytes_per_token(model_dir, engine)
+            argv += ["--max-total-tokens", str(max(tokens, 256)), "--sleep-on-idle"]
+        return ServerCommand(argv + list(launch.extra_args), env, port, host=launch.host)
+
+
+def kv_bytes_per_token(model_dir: str, engine: Any) -> int:
+    """K and V of one token over every layer, from the model's config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    itemsize = 2 if concrete_dtype(engine.dtype) == "bfloat16" else 4
+    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * itemsize
