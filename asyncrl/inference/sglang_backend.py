@@ -43,8 +43,14 @@ class SGLangBackend:
     {"type": "stop"|"length"|"abort", ...}) and `managers/tokenizer_manager.py` (meta_info
     output_token_logprobs as [logprob, token_id, text|null] triples; meta_info.weight_version).
     Re-read against the sglang 0.5.23 wheel (`srt/entrypoints/http_server.py`,
-    `srt/managers/{io_struct,tokenizer_manager,scheduler}.py`, `srt/layers/sampler.py`); SGLang
-    does not run on a CPU machine, so this adapter has not met a live server. Assumptions:
+    `srt/managers/{io_struct,tokenizer_manager,scheduler}.py`, `srt/layers/sampler.py`) and run
+    against live sglang 0.5.23 servers on the torch-native CPU path
+    (tests/integration/test_sglang_server.py: logprobs, pause + disk and gloo updates, abort,
+    a SIGKILLed server, `asyncrl train` and `asyncrl eval`). What it relies on:
+    - Calls stream (`stream: true`): each event carries meta_info with the output so far
+      (output_token_logprobs triples; only the new part with --incremental-streaming-output),
+      placed by meta_info.completion_tokens, so a server that dies mid-call costs only the
+      tokens it had not sent yet.
     - /pause_generation {"mode": "abort"} returns in-flight requests (HTTP 200) with
       finish_reason type "abort" and their partial output; /continue_generation resumes.
     - Logprobs are log_softmax(logits / T) by default (SGLANG_RETURN_ORIGINAL_LOGPROB=1 would
@@ -215,7 +221,7 @@ class SGLangBackendConfig(Config):
     weight_syncs: ClassVar[tuple[str, ...]] = ("disk", "nccl", "gloo")
     lora: ClassVar[bool] = False
     untied_head: ClassVar[bool] = False
-    tested: ClassVar[str] = "SGLang 0.5.23 (from its source; no live server yet)"
+    tested: ClassVar[str] = "SGLang 0.5.23 (CPU, torch-native; tests/integration)"
     images: ClassVar[bool] = False  # its servers take no images (yet)
 
     def build(self, model: str | None = None, lora: LoraServing | None = None,

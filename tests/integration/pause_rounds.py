@@ -38,6 +38,124 @@ def perturbed(model_dir: Path, out: Path, seed: int = 7) -> Path:
                             processor_from=model_dir)
 
 
+def hf_logprobs(model, prompt, output, temperature=1.0) -> list[float]:
+    """What the trainer computes for `output` after `prompt` (a text model, fp32)."""
+    ids = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def check_served_logprobs(engine: RemoteInferenceEngine, model, prompt: list[int]) -> None:
+    """The servers pass their startup checks, and sampled tokens (T = 1 and 0.7, full
+    vocabulary) carry the trainer's logprobs within 1e-4."""
+    from asyncrl.api import GenerationConfig
+
+    async def run():
+        await engine.check_servers()
+        out = {}
+        for t in (1.0, 0.7):
+            g = GenerationConfig(max_new_tokens=64, temperature=t, top_p=1.0, top_k=0)
+            out[t] = await engine.agenerate(ModelRequest(prompt, g, rid=f"lp-{t}"))
+        await engine.aclose()
+        return out
+
+    for t, resp in asyncio.run(run()).items():
+        assert len(resp.output_tokens) > 0 and set(resp.output_versions) == {0}
+        ours = hf_logprobs(model, prompt, resp.output_tokens, t)
+        diff = max(abs(a - b) for a, b in zip(ours, resp.output_logprobs))
+        assert diff < 1e-4, f"T={t}: served logprobs differ from the trainer's by {diff}"
+
+
+def check_versions(responses: list[ModelResponse], prompt: list[int], models: dict) -> None:
+    """Some sequences carry both versions, each token in order, each with the logprobs of the
+    weights that sampled it (`models`: version -> model)."""
+    mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
+    assert mixed, [sorted(set(r.output_versions)) for r in responses]
+    for r in responses:
+        assert r.stop_reason.value in ("stop", "length")
+        assert r.output_versions == sorted(r.output_versions)  # v0 tokens, then v1 tokens
+        for version, model in models.items():
+            idx = [i for i, v in enumerate(r.output_versions) if v == version]
+            if not idx:
+                continue
+            ours = hf_logprobs(model, prompt, r.output_tokens)
+            bad = [(i, round(abs(ours[i] - r.output_logprobs[i]), 4)) for i in idx
+                   if abs(ours[i] - r.output_logprobs[i]) > 1e-3]
+            assert not bad, (f"version {version} tokens differ from its weights at (position, "
+                             f"diff) {bad[:20]}")
+
+
+def kill_one_mid_generation(engine: RemoteInferenceEngine, servers, requests: list,
+                            victim_tokens: int) -> tuple[list[ModelResponse], dict]:
+    """Run `requests` over two servers and SIGKILL the second (its process group: a lost
+    machine) once its streams have delivered `victim_tokens` and it still has work."""
+    import os
+    import signal
+
+    def victim_busy() -> bool:
+        # counted from its streams (server metrics lag); a server seen only at its end would
+        # not be killed mid-generation
+        victim = engine.stats()["servers"][1]
+        return victim["tokens"] >= victim_tokens and victim["in_flight"] >= 1
+
+    async def run():
+        tasks = [asyncio.create_task(engine.agenerate(r)) for r in requests]
+        await _until(victim_busy, f"server 1 never busy: {engine.stats()}", 120)
+        os.killpg(servers.procs[1].pid, signal.SIGKILL)
+        out = await asyncio.gather(*tasks)
+        stats = engine.stats()
+        await engine.aclose()
+        return out, stats
+
+    return asyncio.run(run())
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_through_local_servers(backend: str, python: str, model_dir: Path, run_dir: Path,
+                                *overrides: str, config: str = "configs/train_tiny.yaml",
+                                steps: int = 5) -> list[dict]:
+    """`asyncrl train CONFIG` with servers of `backend` started by the job (`steps` steps, the
+    logprob canary after every push, evals at step 0 and the last); its metrics rows."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "asyncrl.cli", "train", str(REPO / config),
+           f"model.path={model_dir}", "inference.mode=local", f"inference.backend={backend}",
+           f"inference.server_python={python}", "inference.check_logprobs_every=1",
+           f"total_steps={steps}", f"eval.every={steps}", "eval.size=16",
+           "filter_uniform_groups=false", "checkpoint_every=0", f"output_dir={run_dir}",
+           "logging.plot=false", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    checked = [r for r in rows if "weight_check/mean_abs_diff" in r]
+    assert len(checked) == steps and all(r["weight_check/tokens"] > 0 for r in checked)
+    assert max(r["weight_check/max_abs_diff"] for r in checked) < 1e-4  # fp32: same weights
+    assert sum("eval/greedy_accuracy" in r for r in rows) == 2  # step 0 and the last
+    return rows
+
+
+def eval_through_a_local_server(backend: str, python: str, model_dir: Path, out: Path,
+                                *args: str, problems: int = 16) -> None:
+    """`asyncrl eval MODEL ARGS --backend B --server-python PY` (default args: 16 arithmetic
+    problems) evaluates `problems` problems through a server it starts."""
+    import json
+    import subprocess
+    import sys
+
+    args = args or ("--data", "arithmetic", "--limit", str(problems))
+    ev = subprocess.run([sys.executable, "-m", "asyncrl.cli", "eval", str(model_dir), *args,
+                         "--backend", backend, "--server-python", python, "--json", str(out)],
+                        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
+    assert json.loads(out.read_text())["summary"]["eval/num_problems"] == problems
+    assert f"local {backend} server" in ev.stdout + ev.stderr
+
+
 def metric(url: str, name: str) -> float:
     """A vLLM server's Prometheus metric `name`, summed over its label sets."""
     text = httpx.get(url + "/metrics", timeout=10).text

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +35,17 @@ from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.export import save_weights_dir, untied_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pause_rounds import interrupt_with_update, metric, perturbed  # noqa: E402
+from pause_rounds import (  # noqa: E402
+    check_served_logprobs,
+    check_versions,
+    eval_through_a_local_server,
+    hf_logprobs,
+    interrupt_with_update,
+    kill_one_mid_generation,
+    metric,
+    perturbed,
+    train_through_local_servers,
+)
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -78,31 +85,9 @@ def engine_for(urls, **kw) -> RemoteInferenceEngine:
                                                     api_key=KEY, **kw), make_backend("vllm"))
 
 
-def hf_logprobs(model, prompt, output, temperature=1.0) -> list[float]:
-    ids = torch.tensor([list(prompt) + list(output)])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
-
-
 def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dirs):
-    model = load_causal_lm(model_dirs[0])  # the trainer holds the tied original
-    engine = engine_for(servers.urls[:1])
-
-    async def run():
-        await engine.check_servers()
-        out = {}
-        for t in (1.0, 0.7):
-            g = GenerationConfig(max_new_tokens=64, temperature=t, top_p=1.0, top_k=0)
-            out[t] = await engine.agenerate(ModelRequest(PROMPT, g, rid=f"lp-{t}"))
-        await engine.aclose()
-        return out
-
-    for t, resp in asyncio.run(run()).items():
-        assert len(resp.output_tokens) > 0 and set(resp.output_versions) == {0}
-        ours = hf_logprobs(model, PROMPT, resp.output_tokens, t)
-        diff = max(abs(a - b) for a, b in zip(ours, resp.output_logprobs))
-        assert diff < 1e-4, f"T={t}: served logprobs differ from the trainer's by {diff}"
+    # the trainer holds the tied original
+    check_served_logprobs(engine_for(servers.urls[:1]), load_causal_lm(model_dirs[0]), PROMPT)
 
 
 def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers, model_dirs,
@@ -119,20 +104,7 @@ def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers,
         tokens=lambda: sum(metric(u, "vllm:generation_tokens_total") for u in servers.urls),
         after=400, update=lambda: engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1)))
     engine.close()
-    mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
-    assert mixed, [sorted(set(r.output_versions)) for r in responses]
-    for r in responses:
-        assert r.stop_reason.value in ("stop", "length")
-        assert r.output_versions == sorted(r.output_versions)  # v0 tokens, then v1 tokens
-        for version, model in ((0, v0), (1, v1)):
-            idx = [i for i, v in enumerate(r.output_versions) if v == version]
-            if not idx:
-                continue
-            ours = hf_logprobs(model, PROMPT, r.output_tokens)
-            diffs = [abs(ours[i] - r.output_logprobs[i]) for i in idx]
-            bad = [(idx[j], round(d, 4)) for j, d in enumerate(diffs) if d > 1e-3]
-            assert not bad, (f"version {version} tokens differ from its weights at (position, "
-                             f"diff) {bad[:20]}; v1 starts at {r.output_versions.index(1) if 1 in r.output_versions else None}")
+    check_versions(responses, PROMPT, {0: v0, 1: v1})
     for url in servers.urls:  # the servers report the version they were given
         assert httpx.get(url + "/weight_info", timeout=10).json()["weight_version"] == "1"
 
@@ -292,28 +264,9 @@ def test_killed_server_mid_generation_loses_no_request(servers):
     the tokens its streams had already delivered."""
     engine = engine_for(servers.urls, max_retries=8, backoff_base_s=0.05, backoff_max_s=0.5)
     g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
-
-    def victim_busy() -> bool:
-        # its streams have delivered some tokens (vLLM's own metrics lag: not those) and some
-        # of its requests are still running (a stream may deliver in bursts under load: a
-        # server seen only at its end is not killed mid-generation)
-        victim = engine.stats()["servers"][1]
-        return victim["tokens"] >= 200 and victim["in_flight"] >= 1
-
-    async def run():
-        tasks = [asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid=f"k-{i}")))
-                 for i in range(16)]  # 8 per server: seconds of work for each
-        deadline = time.monotonic() + 120
-        while not victim_busy():
-            assert time.monotonic() < deadline, engine.stats()
-            await asyncio.sleep(0.01)
-        os.killpg(servers.procs[1].pid, signal.SIGKILL)  # with its engine core, as a lost machine
-        out = await asyncio.gather(*tasks)
-        stats = engine.stats()
-        await engine.aclose()
-        return out, stats
-
-    responses, stats = asyncio.run(run())
+    # 8 per server: seconds of work for each
+    requests = [ModelRequest(PROMPT, g, rid=f"k-{i}") for i in range(16)]
+    responses, stats = kill_one_mid_generation(engine, servers, requests, 200)
     assert all(len(r.output_tokens) == 1000 for r in responses), [len(r.output_tokens)
                                                                   for r in responses]
     assert stats.get("failed_calls", 0) >= 1, stats  # some were really on the killed server
@@ -326,29 +279,10 @@ def test_train_and_eval_through_local_vllm_servers(vllm_python, model_dirs, tmp_
     """`asyncrl train configs/train_tiny.yaml` with vLLM servers started by the job: 5 steps,
     weights pushed by directory and checked by the logprob probe, evals through vLLM. (The tiny
     random model stands in for the SFT warm start, which takes minutes to build.)"""
-    repo = Path(__file__).resolve().parents[2]
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "asyncrl.cli", "train", str(repo / "configs/train_tiny.yaml"),
-           f"model.path={model_dirs[0]}", "inference.mode=local", "inference.backend=vllm",
-           f"inference.server_python={vllm_python}", "total_steps=5", "eval.every=5",
-           "eval.size=32", "filter_uniform_groups=false", "checkpoint_every=0",
-           f"output_dir={run_dir}", "logging.plot=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "weight_check/mean_abs_diff" in r]
-    assert len(steps) == 5 and all(r["weight_check/tokens"] > 0 for r in steps)
-    assert max(r["weight_check/mean_abs_diff"] for r in steps) < 1e-4  # fp32: the same weights
-    assert sum("eval/greedy_accuracy" in r for r in rows) == 2  # step 0 and step 5
+    train_through_local_servers("vllm", vllm_python, model_dirs[0], run_dir)
     # weights went by directory, with an output head of their own (the served copy is untied)
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v4", "v5"]
     served = json.loads((run_dir / "served_model" / "config.json").read_text())
     assert served["tie_word_embeddings"] is False
-
-    ev = subprocess.run([sys.executable, "-m", "asyncrl.cli", "eval", str(model_dirs[0]),
-                         "--data", "arithmetic", "--limit", "16", "--backend", "vllm",
-                         "--server-python", vllm_python, "--json", str(tmp_path / "ev.json")],
-                        capture_output=True, text=True, timeout=600, cwd=repo)
-    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    assert json.loads((tmp_path / "ev.json").read_text())["summary"]["eval/num_problems"] == 16
-    assert "local vllm server" in ev.stdout + ev.stderr
+    eval_through_a_local_server("vllm", vllm_python, model_dirs[0], tmp_path / "ev.json")

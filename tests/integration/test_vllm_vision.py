@@ -18,7 +18,6 @@ import asyncio
 import base64
 import io
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,7 +39,13 @@ from asyncrl.train.engine import HFTrainEngine
 from train_helpers import make_backend, server_command
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pause_rounds import interrupt_with_update, metric, perturbed  # noqa: E402
+from pause_rounds import (  # noqa: E402
+    eval_through_a_local_server,
+    interrupt_with_update,
+    metric,
+    perturbed,
+    train_through_local_servers,
+)
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -191,33 +196,16 @@ def test_the_vlm_job_trains_and_evaluates_through_local_vllm_servers(vl_dir, tmp
     steps on the counting scenes, every push checked by the logprob canary (its prompt carries
     its image), evals through vLLM; then `asyncrl eval --backend vllm` with the images. (The
     random tiny VLM stands in for the SFT warm start, which takes minutes to build.)"""
-    repo = Path(__file__).resolve().parents[2]
     python = ensure_vllm_python()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "asyncrl.cli", "train", str(repo / "configs/train_vlm_tiny.yaml"),
-           f"model.path={vl_dir}", "inference.mode=local", "inference.backend=vllm",
-           f"inference.server_python={python}", "inference.check_logprobs_every=1",
-           "total_steps=3", "eval.every=3", "eval.size=16", "filter_uniform_groups=false",
-           "checkpoint_every=0", f"output_dir={run_dir}", "logging.plot=false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "weight_check/mean_abs_diff" in r]
-    assert len(steps) == 3 and all(r["weight_check/tokens"] > 0 for r in steps)
-    assert max(r["weight_check/max_abs_diff"] for r in steps) < 1e-4  # fp32: the same weights
+    rows = train_through_local_servers("vllm", python, vl_dir, run_dir, steps=3,
+                                       config="configs/train_vlm_tiny.yaml")
     fresh = [r["mismatch/logprob_diff_max"] for r in rows if "mismatch/logprob_diff_max" in r]
     assert fresh and max(fresh) < 1e-4  # sampled by vLLM, scored by the trainer, with images
-    assert sum("eval/greedy_accuracy" in r for r in rows) == 2  # step 0 and step 3
     assert (run_dir / "eval_grid.png").is_file()
     served = json.loads((run_dir / "served_model" / "config.json").read_text())
     assert served["tie_word_embeddings"] is False
     assert served["text_config"]["tie_word_embeddings"] is False
-
-    ev = subprocess.run([sys.executable, "-m", "asyncrl.cli", "eval", str(vl_dir), "--data",
-                         "{kind: counting, num_eval: 8, max_objects: 3}", "--reward",
-                         "clevr_count_70k", "--max-new-tokens", "3", "--backend", "vllm",
-                         "--server-python", python, "--json", str(tmp_path / "ev.json")],
-                        capture_output=True, text=True, timeout=600, cwd=repo)
-    assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
-    assert json.loads((tmp_path / "ev.json").read_text())["summary"]["eval/num_problems"] == 8
-    assert "local vllm server" in ev.stdout + ev.stderr
+    eval_through_a_local_server("vllm", python, vl_dir, tmp_path / "ev.json", "--data",
+                                "{kind: counting, num_eval: 8, max_objects: 3}", "--reward",
+                                "clevr_count_70k", "--max-new-tokens", "3", problems=8)
