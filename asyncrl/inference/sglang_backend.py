@@ -250,14 +250,20 @@ class SGLangBackendConfig(Config):
             argv.append("--trust-remote-code")
         if not cuda_available():
             env = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": str(engine.num_threads or 1)}
-            tokens = (engine.kv_cache_bytes or 1 << 30) // kv_bytes_per_token(model_dir, engine)
-            argv += ["--max-total-tokens", str(max(tokens, 256)), "--sleep-on-idle"]
+            per_token = kv_bytes_per_token(model_dir, engine)
+            if per_token:  # else not a local model directory: SGLang sizes the cache itself
+                tokens = (engine.kv_cache_bytes or 1 << 30) // per_token
+                argv += ["--max-total-tokens", str(max(tokens, 256))]
+            argv.append("--sleep-on-idle")
         return ServerCommand(argv + list(launch.extra_args), env, port, host=launch.host)
 
 
-def kv_bytes_per_token(model_dir: str, engine: Any) -> int:
-    """K and V of one token over every layer, from the model's config.json."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+def kv_bytes_per_token(model_dir: str, engine: Any) -> int | None:
+    """K and V of one token over every layer, from the model's config.json (None without one)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
     cfg = {**cfg, **(cfg.get("text_config") or {})}
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
