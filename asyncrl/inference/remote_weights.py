@@ -42,7 +42,8 @@ class RemoteWeights:
         errors, updated = [], 0
         for server, result in outcome.items():
             if result is None or not isinstance(result, BaseException):
-                self.pool.set_version(server, meta.version)
+                # it answered the update and its check at this version: (back) in rotation
+                self.pool.probe_result(server, True, meta.version)
                 updated += 1
             elif isinstance(result, (ServerFailure, httpx.TransportError)):
                 self.pool.mark_failed(server, f"missed weight update to version {meta.version}: "

@@ -139,7 +139,8 @@ class ServerPool:
 
     def replace(self, index: int, address: str) -> ServerState:
         """Server `index` now lives at `address` (restarted elsewhere): out of rotation until a
-        weight update brings it to the current version and a probe finds it there."""
+        weight update brings it to the current version (the update's own version check
+        re-admits it) or a probe finds it there."""
         with self._lock:
             s = self.servers[index]
             s.address = address.rstrip("/")

@@ -144,6 +144,37 @@ def test_killed_server_mid_generation_loses_no_request(servers):
     assert stats["servers"][1]["health"] == "unhealthy"
 
 
+def test_a_restarted_server_serves_once_it_has_the_current_weights(servers, sglang_python,
+                                                                   model_dir, tmp_path):
+    """Server 1 was SIGKILLed (the test above); a fresh one takes its place at weight version
+    "default". It stays out of rotation while the client is at version 1, and serves once the
+    next update (version 2) has reached it, with version 2's logprobs."""
+    v2_dir = perturbed(model_dir, tmp_path / "v2", seed=11)
+    engine = engine_for(servers.urls)
+    asyncio.run(engine.update_weights(WeightUpdateMeta.from_disk(str(v2_dir), 1)))  # server 0
+    make = lambda key: server_command("sglang", str(model_dir), python=sglang_python,  # noqa: E731
+                                      engine=EngineSettings(max_num_seqs=16), api_key=key)
+    with LocalServers(make, 1, tmp_path / "logs", 300, api_key=KEY) as fresh:
+        engine.replace_server(1, fresh.urls[0])
+        g = GenerationConfig(max_new_tokens=8, temperature=1.0)
+
+        async def spread(tag: str) -> list:
+            return await asyncio.gather(*(engine.agenerate(ModelRequest(PROMPT, g,
+                                                                        rid=f"{tag}-{i}"))
+                                          for i in range(6)))
+
+        asyncio.run(spread("before"))
+        assert engine.stats()["servers"][1]["requests"] == 0  # out of rotation at version 0
+        asyncio.run(engine.update_weights(WeightUpdateMeta.from_disk(str(v2_dir), 2)))
+        check = LogprobCheck(scorer(load_causal_lm(v2_dir)), [PROMPT], 1.0, 1e-3)
+        metrics = asyncio.run(check.run(engine, 2))  # probes both servers
+        asyncio.run(spread("after"))
+        stats = engine.stats()
+        engine.close()
+    assert metrics["weight_check/mean_abs_diff"] < 1e-4
+    assert stats["servers"][1]["requests"] > 0 and stats["servers"][1]["version"] == 2
+
+
 @pytest.mark.parametrize("sync", ["disk", "gloo"])
 def test_train_and_eval_through_local_sglang_servers(sglang_python, model_dir, tmp_path, sync):
     """`asyncrl train configs/train_tiny.yaml inference.mode=local inference.backend=sglang`:
