@@ -271,9 +271,12 @@ def test_server_check_verdicts_name_the_fix():
     assert logprobs.verdict(200, ok) is None
     raw = {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}}}
     assert "--logprobs-mode processed_logprobs" in logprobs.verdict(200, raw)
-    (sglang,) = SGLangBackend().server_checks()
+    sglang, *routes = SGLangBackend().server_checks()
     assert sglang.verdict(200, {"version": "0.5.23"}) is None
     assert "outside the tested range" in sglang.verdict(200, {"version": "0.4.6.post1"})
+    pause = routes[0]
+    assert pause.call.path == "/pause_generation" and pause.verdict(405, None) is None
+    assert "has no /pause_generation route" in pause.verdict(404, None)
     (ours,) = make_backend("asyncrl").server_checks()
     assert "asyncrl serve" in ours.verdict(200, {"status": "ok"})
 

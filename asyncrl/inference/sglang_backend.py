@@ -206,8 +206,19 @@ class SGLangBackend:
         return [HttpCall("POST", "/end_weight_update", json={})]
 
     def server_checks(self) -> list[ServerCheck]:
+        def route(path: str) -> ServerCheck:
+            # a POST route asked with GET: 405 where it exists, 404 where it does not
+            def verdict(status: int, body: Any) -> str | None:
+                if status == 404:
+                    return (f"has no {path} route, which RL with this backend needs; run a "
+                            "tested SGLang release (0.5.23)")
+                return None
+            return ServerCheck(HttpCall("GET", path), verdict)
+
         return [ServerCheck(HttpCall("GET", "/server_info"),
-                            version_verdict("SGLang", self.tested, "version"), waivable=True)]
+                            version_verdict("SGLang", self.tested, "version"), waivable=True),
+                *(route(path) for path in ("/pause_generation", "/continue_generation",
+                                           "/abort_request", "/update_weights_from_disk"))]
 
 
 def _sglang_rid(rid: str) -> str:
