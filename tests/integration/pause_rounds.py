@@ -163,6 +163,13 @@ def metric(url: str, name: str) -> float:
                                                        text, re.M))
 
 
+def metric_label(url: str, name: str, finished_reason: str) -> float:
+    """A vLLM counter `name` for one `finished_reason` label."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(
+        rf'^{re.escape(name)}{{[^}}]*finished_reason="{finished_reason}"[^}}]*}} (\S+)$', text, re.M))
+
+
 async def _until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

@@ -43,6 +43,7 @@ from pause_rounds import (  # noqa: E402
     interrupt_with_update,
     kill_one_mid_generation,
     metric,
+    metric_label,
     perturbed,
     train_through_local_servers,
 )
@@ -75,7 +76,8 @@ def model_dirs(tmp_path_factory):
 def servers(vllm_python, model_dirs, tmp_path_factory):
     """Two vLLM servers (dev mode, processed logprobs) of the untied tiny model."""
     make = lambda key: server_command("vllm", str(model_dirs[1]), python=vllm_python,  # noqa: E731
-                                      engine=EngineSettings(max_num_seqs=32), api_key=key)
+                                      engine=EngineSettings(max_num_seqs=32), api_key=key,
+                                      extra_args=["--enable-log-requests"])
     with LocalServers(make, 2, tmp_path_factory.mktemp("vllm_logs"), 300, api_key=KEY) as s:
         yield s
 
@@ -138,40 +140,48 @@ def test_streams_a_pause_cuts_are_interruptions_not_server_failures(servers):
 
 
 def test_cancelled_request_is_aborted_on_the_server(servers):
-    """A cancelled call ends its request on the server. The server is paused with mode=keep once
-    the request runs (it holds it without generating), so the request cannot reach its 1,000
-    tokens while the abort is on its way, however slow the machine: only the abort can end it."""
+    """A cancelled call ends its request on the server. Every step waits on a state the server
+    reports, never on its speed: the server is paused (mode=keep) before the request is sent, so
+    the request waits in its queue and cannot finish by itself; the server's request log says when
+    it was added and when the abort arrived. After the resume a short fence request runs to its
+    end; had the cancelled request survived, it would be running or finished beside the fence.
+    (The Prometheus gauges cannot serve: vLLM does not refresh them while paused, and on a busy
+    2-core machine a scrape during generation took 7.6 s, longer than the whole request.)"""
     url = servers.urls[0]
+    log = servers.log_dir / "server_0.log"
     engine = engine_for([url])
     auth = {"Authorization": f"Bearer {KEY}"}
     g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
-    finished_before = metric(url, "vllm:request_success_total")
+    length_before = metric_label(url, "vllm:request_success_total", "length")
 
-    async def until(live: bool) -> None:  # state, not a sleep: the server's own gauges
-        deadline = time.monotonic() + 60
-        while (await asyncio.to_thread(metric, url, "vllm:num_requests_running")
-               + await asyncio.to_thread(metric, url, "vllm:num_requests_waiting") > 0) != live:
-            assert time.monotonic() < deadline, f"the server never had live requests={live}"
-            await asyncio.sleep(0.02)
+    async def logged(text: str) -> None:
+        deadline = time.monotonic() + 120
+        while text not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the server never logged {text!r}"
+            await asyncio.sleep(0.05)
 
     async def run():
-        task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid="to-abort")))
-        await until(live=True)
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=120) as client:
             (await client.post(url + "/pause", params={"mode": "keep"}, headers=auth)).raise_for_status()
             try:
+                task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, g, rid="to-abort")))
+                await logged("Added request cmpl-to-abort")
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                await until(live=False)  # the abort, sent in the background, ended it
+                await logged("Aborted request(s) cmpl-to-abort")
             finally:
                 (await client.post(url + "/resume", headers=auth)).raise_for_status()
+        fence = await engine.agenerate(ModelRequest(PROMPT, GenerationConfig(
+            max_new_tokens=4, min_new_tokens=4), rid="fence"))
+        assert fence.stop_reason.value == "length"
         await engine.aclose()
 
     asyncio.run(run())
-    # Had the request survived, it would have finished (by length) after the resume.
-    assert metric(url, "vllm:request_success_total") == finished_before
+    # The gauges were refreshed by the fence's last step: nothing else runs or waits, and only
+    # the fence finished by length.
     assert metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting") == 0
+    assert metric_label(url, "vllm:request_success_total", "length") == length_before + 1
 
 
 def test_startup_check_names_dev_mode_and_logprobs_mode(vllm_python, model_dirs, tmp_path):
