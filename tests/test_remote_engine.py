@@ -413,10 +413,18 @@ def test_round_robin_spreads_and_servers_agree(servers):
     engine.close()
 
 
-def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_dir, new_weights):
-    """The checks pass on asyncrl servers; the post-update probe agrees with a trainer holding
-    the same weights and refuses one holding others (a server serving another model)."""
+def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_dir, new_weights,
+                                                               tmp_path):
+    """The checks pass on asyncrl servers, the model check included; a trainer whose model has
+    another shape is refused at startup, naming the difference; the post-update probe agrees
+    with a trainer holding the same weights and refuses one holding others (same shape)."""
     from asyncrl.launch.weight_check import LogprobCheck, WeightCheckError
+    from asyncrl.models.config import TinyModelConfig
+    from asyncrl.models.tiny import build_tiny_model
+
+    wider = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
+                                             num_kv_heads=1, intermediate_size=64),
+                             tmp_path / "wider")
 
     engine = make_engine(servers)
     same, other = load_causal_lm(model_dir), load_causal_lm(new_weights)
@@ -430,7 +438,12 @@ def test_startup_checks_and_logprob_probe_against_real_servers(servers, model_di
         return score
 
     async def main():
-        await engine.check_servers()
+        await engine.check_servers(str(model_dir))
+        await engine.check_servers(str(new_weights))  # same shape: the canary's business
+        with pytest.raises(ServerCheckError) as err:
+            await engine.check_servers(str(wider))
+        assert f"serves {model_dir}" in str(err.value) and "num_hidden_layers" in str(err.value)
+        assert str(wider) in str(err.value) and err.value.args[0].count("\n") == 0
         ok = await LogprobCheck(scorer(same), [[10, 20, 30]], 1.0, 1e-3).run(engine, 0)
         with pytest.raises(WeightCheckError, match="differ from the trainer's"):
             await LogprobCheck(scorer(other), [[10, 20, 30]], 1.0, 0.05).run(engine, 0)

@@ -52,9 +52,10 @@ class ServingEngine(InferenceEngine, Protocol):
         `meta.kind` says how they travel: DISK reads `meta.path` (no `weights`); TENSORS takes
         `weights` (full HF-named tensors: in memory in process, streamed in buckets over HTTP)."""
 
-    async def check_servers(self) -> None:
+    async def check_servers(self, model_dir: str | None = None) -> None:
         """Raise, naming the fix, if a server this engine drives cannot be used (version range,
-        routes, logprobs mode); nothing to check in process."""
+        routes, logprobs mode, a model of another shape than `model_dir`'s); nothing to check
+        in process."""
 
     async def generate_on_each(self, req: ModelRequest) -> list[tuple[str, ModelResponse]]:
         """`req` generated once by every healthy server (or the in-process engine), each with

@@ -78,6 +78,7 @@ class AsyncLLMEngine:
     ) -> None:
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine, detokenize)
         self.max_seq_len, self.device = self.engine.max_seq_len, self.engine.device  # fixed
+        self.model_path = self.engine.config.model_path  # what it was started from
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _waiters, touched by callers and the engine thread
@@ -147,7 +148,7 @@ class AsyncLLMEngine:
         self._interrupted = False
         self._wait(self._submit(self.engine.resume), "resume")
 
-    async def check_servers(self) -> None:
+    async def check_servers(self, model_dir: str | None = None) -> None:
         """No servers: this engine is checked by the canary alone."""
 
     async def generate_on_each(self, req: ModelRequest) -> list[tuple[str, ModelResponse]]:

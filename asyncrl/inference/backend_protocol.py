@@ -75,6 +75,24 @@ class ServerCheck:
     waivable: bool = False  # a version-range check: allow_untested_server turns it into a warning
 
 
+@dataclass(frozen=True)
+class ModelQuery:
+    """Which model a server serves: `call`, then `path(body)` -> the model directory or name it
+    was started with (None when the reply does not say)."""
+
+    call: HttpCall
+    path: Callable[[Any], str | None]
+
+
+def openai_model_root(body: Any) -> str | None:
+    """The base model's `root` (the path it was loaded from) in an OpenAI-style GET /v1/models
+    reply (vLLM, `asyncrl serve`); adapters, listed with a `parent`, are skipped."""
+    for card in (body.get("data") or []) if isinstance(body, dict) else []:
+        if isinstance(card, dict) and not card.get("parent") and card.get("root"):
+            return str(card["root"])
+    return None
+
+
 def version_tuple(text: str) -> tuple[int, ...]:
     """'0.32.0' -> (0, 32, 0); a suffix (rc1, .post2, +cpu) ends the numeric part."""
     parts = []
@@ -183,6 +201,9 @@ class Backend(Protocol):
 
     def server_checks(self) -> list[ServerCheck]:
         """What must hold before the server is used (version, routes, logprobs mode)."""
+
+    def model_query(self) -> ModelQuery:
+        """How to ask a server which model it serves (the startup model check)."""
 
     # Collective weight sync (`inference.weight_sync: nccl | gloo`); None when unsupported.
     # broadcast_layout: how the trainer sends one update: "buckets" (a [version, count] header,

@@ -32,6 +32,8 @@ from typing import Any, ClassVar, Literal
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
 from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
+    ModelQuery,
+    openai_model_root,
     BackendReplyError,
     Delta,
     GroupJoin,
@@ -149,6 +151,9 @@ class AsyncrlBackend:
             return None
 
         return [ServerCheck(self.health_call(), verdict)]
+
+    def model_query(self) -> ModelQuery:
+        return ModelQuery(HttpCall("GET", "/v1/models"), openai_model_root)
 
 
 class AsyncrlBackendConfig(Config):

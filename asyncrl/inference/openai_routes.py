@@ -125,7 +125,7 @@ class OpenAIRoutes:
 
     async def models(self) -> dict:
         card = {"id": self.cfg.model_name, "object": "model", "owned_by": "asyncrl",
-                "max_model_len": self.engine.max_seq_len}
+                "root": self.engine.model_path, "max_model_len": self.engine.max_seq_len}
         return {"object": "list", "data": [card]}
 
     async def completions(self, body: CompletionBody):

@@ -22,6 +22,7 @@ on every loop through `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -29,7 +30,8 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -51,6 +53,7 @@ from asyncrl.inference.continuation import Progress
 from asyncrl.inference.gate import ResumeGate
 from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.inference.remote_control import ControlFanout
+from asyncrl.models.shape import model_shape, shape_mismatch
 from asyncrl.inference.remote_errors import (
     RemoteEngineError,
     RemoteRequestError,
@@ -63,6 +66,24 @@ from asyncrl.inference.remote_weights import RemoteWeights
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool, ServerState
 
 log = logging.getLogger(__name__)
+
+
+def _model_verdict(served_path: Callable[[Any], str | None], model_dir: str, status: int,
+                   body: Any) -> str | None:
+    """The startup model check: a server whose model (read where its path exists here) has
+    another shape than the trainer's cannot take its weights. A path this machine cannot read
+    (a hub name, another host's disk) is left to the weight canary after the first push."""
+    served = served_path(body) if status == 200 else None
+    if served is None or Path(served).resolve() == Path(model_dir).resolve():
+        return None
+    mismatch = shape_mismatch(served, model_dir)
+    if mismatch is None:
+        if model_shape(served) is None:
+            log.info("a server serves %s, not readable here: the weight canary checks its "
+                     "model after the first push", served)
+        return None
+    return (f"serves {served} ({mismatch}), another model than the trainer's model.path "
+            f"{model_dir}: start the server with that model, or set model.path to its model")
 
 
 class RemoteInferenceEngine:
@@ -390,10 +411,16 @@ class RemoteInferenceEngine:
 
     # ---- startup checks and per-server probes -------------------------------------------------
 
-    async def check_servers(self) -> None:
+    async def check_servers(self, model_dir: str | None = None) -> None:
         """Run the backend's startup checks on every server; raise one error listing every
-        problem (each names its fix). Servers that cannot be reached are reported too."""
+        problem (each names its fix). Servers that cannot be reached are reported too. With
+        `model_dir` (the trainer's model), each server must serve a model of its shape."""
         problems: list[str] = []
+        checks = list(self.backend.server_checks())
+        if model_dir is not None:
+            query = self.backend.model_query()
+            checks.append(ServerCheck(query.call, functools.partial(
+                _model_verdict, query.path, str(model_dir))))
 
         async def run(server: ServerState, check: ServerCheck) -> None:
             try:
@@ -409,8 +436,7 @@ class RemoteInferenceEngine:
                 return
             problems.append(f"{server.address} {verdict}")
 
-        await asyncio.gather(*(run(s, c) for s in self.pool.servers
-                               for c in self.backend.server_checks()))
+        await asyncio.gather(*(run(s, c) for s in self.pool.servers for c in checks))
         if problems:
             raise ServerCheckError(f"{self.backend.name} server check failed: "
                                     + "; ".join(sorted(set(problems))))

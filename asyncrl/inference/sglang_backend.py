@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
 from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
+    ModelQuery,
     NEUTRAL_SAMPLING,
     BackendReplyError,
     Delta,
@@ -219,6 +220,13 @@ class SGLangBackend:
                             version_verdict("SGLang", self.tested, "version"), waivable=True),
                 *(route(path) for path in ("/pause_generation", "/continue_generation",
                                            "/abort_request", "/update_weights_from_disk"))]
+
+    def model_query(self) -> ModelQuery:
+        return ModelQuery(HttpCall("GET", "/get_model_info"), _model_path)
+
+
+def _model_path(body: Any) -> str | None:
+    return body.get("model_path") if isinstance(body, dict) else None
 
 
 def _sglang_rid(rid: str) -> str:

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Literal
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
 from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
+    ModelQuery,
+    openai_model_root,
     NEUTRAL_SAMPLING,
     BackendReplyError,
     Delta,
@@ -335,6 +337,9 @@ class VLLMBackend:
             *([ServerCheck(HttpCall("POST", IMAGE_ROUTE, json={}), image_route)]
               if self.images else []),
         ]
+
+    def model_query(self) -> ModelQuery:
+        return ModelQuery(HttpCall("GET", "/v1/models"), openai_model_root)
 
 
 def lora_verdict(server_info: Any, need: LoraServing) -> str | None:

@@ -163,8 +163,8 @@ class RolloutEngines:
 
     async def check_servers(self) -> None:
         """Before the first rollout: each server's own checks (version range, routes,
-        logprobs mode); nothing for the in-process engine."""
-        await self.engine.check_servers()
+        logprobs mode, a model of the trainer's shape); nothing for the in-process engine."""
+        await self.engine.check_servers(str(self.model_dir))
 
     async def canary(self, version: int) -> dict[str, float]:
         """The logprob canary now, unless the run has none."""

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from asyncrl.api import ModelRequest, ModelResponse
@@ -46,13 +47,23 @@ def hf_logprobs(model, prompt, output, temperature=1.0) -> list[float]:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
 
 
-def check_served_logprobs(engine: RemoteInferenceEngine, model, prompt: list[int]) -> None:
-    """The servers pass their startup checks, and sampled tokens (T = 1 and 0.7, full
-    vocabulary) carry the trainer's logprobs within 1e-4."""
+def check_served_logprobs(engine: RemoteInferenceEngine, model_dir: Path, prompt: list[int],
+                          tmp: Path) -> None:
+    """The servers pass their startup checks, the model check with the trainer's `model_dir`
+    included, and refuse a trainer model of another shape, naming the difference; sampled tokens
+    (T = 1 and 0.7, full vocabulary) carry the trainer's logprobs within 1e-4."""
     from asyncrl.api import GenerationConfig
+    from asyncrl.inference.remote_errors import ServerCheckError
+    from asyncrl.models.config import TinyModelConfig
+    from asyncrl.models.tiny import build_tiny_model
+
+    model = load_causal_lm(model_dir)
+    other = build_tiny_model(TinyModelConfig(num_layers=2), tmp / "other_shape")
 
     async def run():
-        await engine.check_servers()
+        await engine.check_servers(str(model_dir))
+        with pytest.raises(ServerCheckError, match="num_hidden_layers 8 vs 2"):
+            await engine.check_servers(str(other))
         out = {}
         for t in (1.0, 0.7):
             g = GenerationConfig(max_new_tokens=64, temperature=t, top_p=1.0, top_k=0)

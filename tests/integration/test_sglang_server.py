@@ -81,8 +81,8 @@ def received(engine) -> float:
     return float(sum(s["tokens"] for s in engine.stats()["servers"]))
 
 
-def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dir):
-    check_served_logprobs(engine_for(servers.urls[:1]), load_causal_lm(model_dir), PROMPT)
+def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dir, tmp_path):
+    check_served_logprobs(engine_for(servers.urls[:1]), model_dir, PROMPT, tmp_path)
 
 
 def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers, model_dir,

@@ -87,9 +87,9 @@ def engine_for(urls, **kw) -> RemoteInferenceEngine:
                                                     api_key=KEY, **kw), make_backend("vllm"))
 
 
-def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dirs):
-    # the trainer holds the tied original
-    check_served_logprobs(engine_for(servers.urls[:1]), load_causal_lm(model_dirs[0]), PROMPT)
+def test_startup_checks_pass_and_logprobs_equal_the_trainers(servers, model_dirs, tmp_path):
+    # the trainer holds the tied original; the servers serve its untied copy (the same shape)
+    check_served_logprobs(engine_for(servers.urls[:1]), model_dirs[0], PROMPT, tmp_path)
 
 
 def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers, model_dirs,
