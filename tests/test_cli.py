@@ -33,6 +33,7 @@ def assert_one_clean_error(proc, *needles):
         assert needle in err_lines[0], err_lines[0]
 
 
+@pytest.mark.slow
 def test_sft_runs_end_to_end_and_caches(tmp_path):
     out = tmp_path / "sft_out"
     first = run_cli(["sft", *TINY, f"output_dir={out}"], tmp_path, check_rc=0)
@@ -44,6 +45,7 @@ def test_sft_runs_end_to_end_and_caches(tmp_path):
     assert "cached=True" in second.stdout
 
 
+@pytest.mark.slow
 def test_sft_under_torchrun_trains_sharded_and_matches_one_process(tmp_path):
     """`asyncrl sft` on 2 gloo ranks (FSDP2 through the train engine): rank 0 writes the model
     and reports; the training loss equals the one-process run's up to float summation order."""

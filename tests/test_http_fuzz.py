@@ -78,6 +78,7 @@ class Fuzzer:
             assert mode == GenerationMode.NEGATIVE, op.label
 
 
+@pytest.mark.slow
 def test_fuzz_inference_server(serve_url):
     t0 = time.perf_counter()
     fuzz = Fuzzer(serve_url)
@@ -90,6 +91,7 @@ def test_fuzz_inference_server(serve_url):
     assert fuzz.statuses[200] > 0  # the fuzzer reached the handlers, not only validation
 
 
+@pytest.mark.slow
 def test_fuzz_proxy(proxy):
     t0 = time.perf_counter()
     fuzz = Fuzzer(proxy.url)

@@ -190,6 +190,7 @@ def test_an_adapter_that_never_reaches_the_engine_fails_the_canary(model_dir, tm
         Trainer(cfg).train(reward=digit_reward)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sync", ["tensors", "disk"])
 def test_lora_main_job_through_an_asyncrl_serve_subprocess(model_dir, tmp_path, sync):

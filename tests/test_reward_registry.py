@@ -180,6 +180,7 @@ def eval_cli(*args):
                           capture_output=True, text=True, timeout=300, check=False, env=env)
 
 
+@pytest.mark.slow
 def test_asyncrl_eval_scores_with_a_trl_reward_and_refuses_bad_specs(model_dir, tmp_path):
     out = tmp_path / "eval.json"
     proc = eval_cli(model_dir, "--data", "arithmetic", "--limit", "3", "--max-new-tokens", "4",

@@ -68,6 +68,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_with_images_equal_one_process(tmp_path):
     model_dir = build_preset_model("tiny-vl", tmp_path / "tiny-vl")
     env = dict(os.environ, OMP_NUM_THREADS="1",

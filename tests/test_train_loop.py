@@ -56,6 +56,7 @@ def metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_short_loop_through_two_http_servers(model_dir, tmp_path):
     eta = 1
     # weights reach the two servers by broadcast over a gloo weight group (the NCCL path on GPUs)
@@ -150,6 +151,7 @@ def _wait_for_step(run, step, proc, timeout=120):
     pytest.fail(f"no step {step} within {timeout}s")
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_stops_servers_and_resume_continues(model_dir, tmp_path):
     run = tmp_path / "run"
     proc = _start_train(model_dir, run, "total_steps=1000")
@@ -173,6 +175,7 @@ def test_ctrl_c_checkpoints_stops_servers_and_resume_continues(model_dir, tmp_pa
     assert processes_mentioning(str(model_dir)) == []
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_trainer_takes_the_servers_down(model_dir, tmp_path):
     run = tmp_path / "run"
     proc = _start_train(model_dir, run, "total_steps=1000", "inference.num_servers=2")
@@ -233,6 +236,7 @@ def torchrun_train(model_dir, run: Path, *overrides: str) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
 def test_torchrun_two_trainer_ranks(model_dir, tmp_path, estimator):

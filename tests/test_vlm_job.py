@@ -34,6 +34,7 @@ def counting_config(vl_dir, out, **over):
                                         "gconfig.max_new_tokens": 3, **over})
 
 
+@pytest.mark.slow
 def test_a_vlm_trains_on_images_and_resumes(vl_dir, tmp_path):
     run = tmp_path / "run"
     # the logprob canary after every push: its prompts carry their images too
