@@ -1,7 +1,7 @@
 """The inference server's bearer key: every route but the read-only probes needs it.
 
 With `api_key` set, generation (`/generate`, `/v1/*`), control and weight routes all need
-`Authorization: Bearer <key>` (vLLM's --api-key guards only `/v1`; here `/generate` generates too,
+`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients' header) (vLLM's --api-key guards only `/v1`; here `/generate` generates too,
 so it is guarded as well). Health, version, metrics and the API docs stay open so launchers and
 monitoring need no secret. The key is checked before the body is read, in constant time.
 """
@@ -28,11 +28,13 @@ class BearerKey:
                 or scope["path"] in OPEN_PATHS or self._authorized(scope)):
             return await self.app(scope, receive, send)
         resp = error_body(401, "missing or wrong API key: send Authorization: Bearer <api_key> "
-                               "(the key `asyncrl serve --api-key` was started with)",
+                               "or x-api-key: <api_key> (the key `asyncrl serve --api-key` "
+                               "was started with)",
                           headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        given = header.removeprefix(b"Bearer ").strip()
-        return hmac.compare_digest(given, self.expected)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-api-key") or headers.get(b"authorization", b"").removeprefix(
+            b"Bearer ")  # x-api-key: how Anthropic clients send it (/v1/messages)
+        return hmac.compare_digest(given.strip(), self.expected)

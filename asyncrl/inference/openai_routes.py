@@ -1,4 +1,6 @@
-"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models` on the engine.
+"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models` on the engine, and
+Anthropic's `/v1/messages` and OpenAI's `/v1/responses` over the chat path (messages_api.py,
+responses_api.py; generated whole, streamed as a replay).
 
 Each of the `n` choices of each prompt is one engine request (the engine returns one sequence per
 request), run concurrently. Text is decoded from the exact sampled ids; a stop string ends the
@@ -24,6 +26,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from asyncrl.api import GenerationConfig, ModelRequest, ModelResponse, StopReason
+from asyncrl.inference import messages_api, responses_api
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody
 from asyncrl.models.chat import encode_chat_prompt
 from asyncrl.models.chat_options import ChatOptions, decode_keeping
@@ -31,6 +34,10 @@ from asyncrl.models.chat_options import ChatOptions, decode_keeping
 FINISH = {StopReason.STOP: "stop", StopReason.LENGTH: "length", StopReason.ABORT: "abort",
           StopReason.TOOL_CALLS: "tool_calls"}
 STREAM_PIECE = 16  # characters of content per replayed chunk
+
+
+class ResponseNotFound(LookupError):
+    """A previous_response_id this server does not hold (a 404)."""
 
 
 class TextTracker:
@@ -76,11 +83,14 @@ class OpenAIRoutes:
         self.engine, self.tokenizer, self.cfg, self.metrics = engine, tokenizer, cfg, metrics
         # ServerConfig carries the chat options; a bare config object means the defaults
         self.chat_options = cfg if isinstance(cfg, ChatOptions) else ChatOptions()
+        self.response_memory = responses_api.ResponseMemory()
 
     def register(self, app: FastAPI) -> None:
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
+        app.post(messages_api.PATH)(self.messages)
+        app.post(responses_api.PATH)(self.responses)
 
     # ---- request building ------------------------------------------------------------------
 
@@ -177,23 +187,78 @@ class OpenAIRoutes:
                     else None)
             return StreamingResponse(self.stream(reqs, stops, chunk, tail),
                                      media_type="text/event-stream")
+        result, _ = await self.chat_reply(body, prompt, reqs, head)
+        if body.stream:
+            return StreamingResponse(replay_chat(result, body.stream_usage()),
+                                     media_type="text/event-stream")
+        return result
+
+    async def chat_reply(self, body: ChatCompletionBody, prompt: list[int],
+                         reqs: list[ModelRequest], head: dict[str, Any]
+                         ) -> tuple[dict[str, Any], list[ModelResponse]]:
+        """The whole chat completion of `reqs` (one per choice) and the engine's outputs."""
+        template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
+        stops = reqs[0].gconfig.stop
         outs = await self.run_all(reqs)
         choices = []
         for i, o in enumerate(outs):
             reply = self.chat_options.read_reply(self.final_text(o, stops, parse_tools),
-                                                 parse_tools,
-                                                 template_kwargs)
+                                                 parse_tools, template_kwargs)
             choices.append({"index": i, "message": reply.message(),
                             "logprobs": {"content": self.chat_logprobs(o)} if body.logprobs
                             else None,
                             "finish_reason": "tool_calls" if reply.tool_calls
                             else FINISH[o.stop_reason]})
-        result = {**head, "object": "chat.completion", "choices": choices,
-                  "usage": usage([prompt], outs)}
+        return ({**head, "object": "chat.completion", "choices": choices,
+                 "usage": usage([prompt], outs)}, outs)
+
+    async def whole_chat(self, body: ChatCompletionBody, rid: str
+                         ) -> tuple[dict[str, Any], list[ModelResponse]]:
+        """A chat request generated whole under id `rid` (the Messages and Responses routes)."""
+        if body.has_images():
+            raise ValueError("messages: images are not served here (text prompts only); a "
+                             "vision-language policy reads them through the agent proxy of a "
+                             "training run")
+        template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
+        prompt = encode_chat_prompt(self.tokenizer, body.message_dicts(), body.tool_dicts(),
+                                    template_kwargs)
+        reqs = self.requests([prompt], body, body.requested_max_tokens())
+        head = {"id": rid, "created": int(time.time()), "model": self.cfg.model_name}
+        return await self.chat_reply(body, prompt, reqs, head)
+
+    async def messages(self, body: messages_api.MessagesBody):
+        chat = messages_api.to_chat(body)
+        msg_id = f"msg_{uuid.uuid4().hex}"
+        reply, outs = await self.whole_chat(chat, msg_id)
+        message = messages_api.from_chat(reply, msg_id, body.model,
+                                         self.tokenizer.decode(outs[0].output_tokens),
+                                         list(body.stop_sequences or []))
         if body.stream:
-            return StreamingResponse(replay_chat(result, body.stream_usage()),
+            return StreamingResponse(messages_api.stream_events(message),
                                      media_type="text/event-stream")
-        return result
+        return message
+
+    async def responses(self, body: responses_api.ResponsesBody):
+        history = []
+        if body.previous_response_id is not None:
+            try:
+                history = self.response_memory.get(body.previous_response_id)
+            except KeyError:
+                raise ResponseNotFound(
+                    f"previous_response_id {body.previous_response_id!r} is not known here "
+                    f"(this server keeps the last {self.response_memory.capacity} "
+                    "responses)") from None
+        chat = responses_api.to_chat(body, history)
+        resp_id = f"resp_{uuid.uuid4().hex}"
+        reply, _ = await self.whole_chat(chat, resp_id)
+        self.response_memory.put(resp_id, responses_api.conversation(
+            chat, reply, bool(body.instructions)))
+        response = responses_api.from_chat(reply, resp_id, body)
+        if body.stream:
+            return StreamingResponse(responses_api.stream_events(response),
+                                     media_type="text/event-stream")
+        return response
 
     # ---- formatting ------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ from asyncrl.inference.http_schema import (
     JoinGroupBody,
 )
 from asyncrl.inference.metrics import EngineMetrics
-from asyncrl.inference.openai_routes import add_openai_routes
+from asyncrl.inference.messages_api import AnthropicErrors
+from asyncrl.inference.openai_routes import ResponseNotFound, add_openai_routes
 from asyncrl.inference.weight_buckets import WeightStaging
 from asyncrl.inference.weight_group import DistributedWeightReceiver
 from asyncrl.models.chat_options import ChatOptions
@@ -101,7 +102,7 @@ class BodyTooLarge(HTTPException):
 def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="asyncrl inference server")
     metrics = EngineMetrics(engine)
-    install_error_handlers(app, {ValueError: 400})
+    install_error_handlers(app, {ValueError: 400, ResponseNotFound: 404})
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> Any:
@@ -132,7 +133,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> Fas
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes,
                        weights_limit=cfg.max_weight_bucket_bytes)
     app.add_middleware(BearerKey, api_key=cfg.api_key)  # before the body is read
-    app.add_middleware(InternalErrors)  # outermost: catches what the others raise
+    app.add_middleware(InternalErrors)  # catches what the others raise
+    app.add_middleware(AnthropicErrors)  # outermost: /v1/messages errors in Anthropic's shape
     return app
 
 

@@ -34,9 +34,12 @@ def normalise_message(msg: dict[str, Any]) -> dict[str, Any]:
 def _call_key(call: dict[str, Any]) -> tuple[str, str]:
     fn = call.get("function") or {}
     args = fn.get("arguments", "")
-    if not isinstance(args, str):
-        args = json.dumps(args, separators=(",", ":"))
-    return fn.get("name", ""), args
+    if isinstance(args, str):  # compared as JSON: a client may re-serialise it (the Messages
+        try:                   # API sends tool input back as an object)
+            args = json.loads(args)
+        except ValueError:
+            return fn.get("name", ""), args
+    return fn.get("name", ""), json.dumps(args, separators=(",", ":"), sort_keys=True)
 
 
 def _matches(earlier: Completion, messages: list[dict[str, Any]],

@@ -9,6 +9,7 @@ from typing import Any
 
 from asyncrl.api import Sample, StopReason
 from asyncrl.api.images import ImageInputs
+from asyncrl.inference.responses_api import ResponseMemory
 from asyncrl.proxy.errors import NotFoundError
 
 
@@ -70,6 +71,8 @@ class Session:
     turns: list[list[str]] = field(default_factory=list)  # completion ids per request, in order
     rewards: dict[str, float] = field(default_factory=dict)  # raw rewards given so far
     last_reward: float | None = None  # a float reward: for the last completion at export time
+    # /v1/responses conversations, for previous_response_id within the session
+    responses: ResponseMemory = field(default_factory=ResponseMemory)
 
     @property
     def api_key(self) -> str:

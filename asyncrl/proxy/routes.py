@@ -24,13 +24,14 @@ from urllib.parse import unquote, urlsplit
 
 from asyncrl.api import GenerationConfig, InferenceEngine, ModelRequest, ModelResponse
 from asyncrl.api.images import ImageInputs
+from asyncrl.inference import messages_api, responses_api
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, OpenAISampling
 from asyncrl.inference.openai_routes import FINISH, replay_chat, reply_text, sse, usage
 from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.chat_options import ChatOptions
 from asyncrl.models.vision import VisionPromptEncoder, load_image
 from asyncrl.proxy.config import ProxyConfig
-from asyncrl.proxy.errors import SessionEndedError
+from asyncrl.proxy.errors import NotFoundError, SessionEndedError
 from asyncrl.proxy.prompt_reuse import build_prompt
 from asyncrl.proxy.records import Completion, Session, SessionStatus
 
@@ -79,7 +80,10 @@ class ProxyRoutes:
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
 
-    async def chat(self, session: Session, body: ChatCompletionBody) -> dict[str, Any]:
+    async def chat(self, session: Session, body: ChatCompletionBody,
+                   rid: str | None = None) -> dict[str, Any]:
+        """`rid`: the completion id (default chatcmpl-...; the Messages and Responses routes
+        record under their own msg_/resp_ ids, which their rewards then name)."""
         require_active(session)
         messages, tools = body.message_dicts(), body.tool_dicts()
         template_kwargs = self.chat_options.template_kwargs(body.chat_template_kwargs)
@@ -89,7 +93,7 @@ class ProxyRoutes:
                                              encode)
         g = self.gconfig(body, self.budget(len(prompt), body.requested_max_tokens()))
         outs = await self.generate([prompt], g, body.n, images)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         parse = bool(body.tools) and body.tool_choice != "none"
         records, choices = [], []
         for i, out in enumerate(outs):
@@ -111,6 +115,32 @@ class ProxyRoutes:
         return {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": self.cfg.model_name, "choices": choices,
                 "usage": usage([prompt], outs)}
+
+    # ---- /v1/messages and /v1/responses (over the chat path) --------------------------------
+
+    async def messages(self, session: Session, body: messages_api.MessagesBody) -> dict[str, Any]:
+        chat = messages_api.to_chat(body)
+        msg_id = f"msg_{uuid.uuid4().hex}"
+        reply = await self.chat(session, chat, msg_id)
+        raw = self.tokenizer.decode(session.completion(msg_id).output_ids)
+        return messages_api.from_chat(reply, msg_id, body.model, raw,
+                                      list(body.stop_sequences or []))
+
+    async def responses(self, session: Session, body: responses_api.ResponsesBody
+                        ) -> dict[str, Any]:
+        history = []
+        if body.previous_response_id is not None:
+            try:
+                history = session.responses.get(body.previous_response_id)
+            except KeyError:
+                raise NotFoundError(f"previous_response_id {body.previous_response_id!r} is "
+                                    "not a response of this session") from None
+        chat = responses_api.to_chat(body, history)
+        resp_id = f"resp_{uuid.uuid4().hex}"
+        reply = await self.chat(session, chat, resp_id)
+        session.responses.put(resp_id, responses_api.conversation(chat, reply,
+                                                                  bool(body.instructions)))
+        return responses_api.from_chat(reply, resp_id, body)
 
     def record(self, session: Session, rid: str, i: int, n: int, prompt: list[int],
                out: ModelResponse, message: dict[str, Any], messages: list[dict] | None,

@@ -21,7 +21,9 @@ from fastapi import FastAPI, Header
 from fastapi.responses import StreamingResponse
 
 from asyncrl.api import InferenceEngine
+from asyncrl.inference import messages_api, responses_api
 from asyncrl.inference.http_errors import InternalErrors, install_error_handlers
+from asyncrl.inference.messages_api import AnthropicErrors
 from asyncrl.inference.http_schema import ChatCompletionBody, CompletionBody, StrictBody
 from asyncrl.inference.server import BodyLimit
 from asyncrl.models.chat_options import ChatOptions
@@ -99,7 +101,8 @@ class ProxyServer:
         self._session_routes(app)
         app.add_middleware(BodyLimit, limit=self.cfg.max_body_bytes,
                            weights_limit=self.cfg.max_body_bytes)
-        app.add_middleware(InternalErrors)  # outermost: catches what the others raise
+        app.add_middleware(InternalErrors)  # catches what the others raise
+        app.add_middleware(AnthropicErrors)  # outermost: /v1/messages errors in its shape
         return app
 
     def _openai_routes(self, app: FastAPI) -> None:
@@ -133,6 +136,26 @@ class ProxyServer:
             reply = await routes.completions(store.by_key(bearer(authorization)), body)
             if body.stream:
                 return StreamingResponse(stream_completion(reply), media_type="text/event-stream")
+            return reply
+
+        @app.post(messages_api.PATH)
+        async def messages(body: messages_api.MessagesBody,
+                           x_api_key: str | None = Header(None),
+                           authorization: str | None = Header(None)):
+            session = store.by_key(messages_api.api_key(x_api_key, authorization))
+            reply = await routes.messages(session, body)
+            if body.stream:
+                return StreamingResponse(messages_api.stream_events(reply),
+                                         media_type="text/event-stream")
+            return reply
+
+        @app.post(responses_api.PATH)
+        async def responses(body: responses_api.ResponsesBody,
+                            authorization: str | None = Header(None)):
+            reply = await routes.responses(store.by_key(bearer(authorization)), body)
+            if body.stream:
+                return StreamingResponse(responses_api.stream_events(reply),
+                                         media_type="text/event-stream")
             return reply
 
         @app.get("/v1/chat/completions/{completion_id}")
