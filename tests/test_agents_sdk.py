@@ -1,7 +1,8 @@
-"""The OpenAI Agents SDK (optional extra `agents`) against our OpenAI-compatible server.
+"""The OpenAI Agents SDK (optional extra `agents`) against our servers, with its default model
+class (the Responses API).
 
-Pins the exact request fields the SDK's Chat Completions model sends (captured with an in-process
-mock transport and checked against our strict request schema), then runs the example agent
+Pins the exact request fields the SDK's Responses model sends (captured with an in-process mock
+transport and checked against our strict request schema), then runs the example agent
 (examples/agents_sdk/agent.py) unchanged against a real `asyncrl serve` process.
 """
 
@@ -18,6 +19,8 @@ from conftest import running_servers
 
 try:
     from agents import ModelSettings, RunConfig, Runner
+    from agents.exceptions import ModelBehaviorError
+    from openai.types.shared import Reasoning
 except ImportError as err:
     # CI installs the extra (.ci/run): there a missing SDK is a broken install, not a skip.
     if os.environ.get("CI", "").lower() not in ("", "0", "false"):
@@ -27,31 +30,32 @@ except ImportError as err:
                 allow_module_level=True)
 import openai  # noqa: E402  (a dependency of openai-agents)
 
-from asyncrl.inference.http_schema import ChatCompletionBody  # noqa: E402
+from asyncrl.inference import responses_api  # noqa: E402
 from asyncrl.models.chat import encode_chat_prompt  # noqa: E402
 from asyncrl.models.loading import load_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.agents_sdk.agent import AgentsSDKMathAgent, evaluate  # noqa: E402
+from examples.agents_sdk.agent import AgentsSDKMathAgent, evaluate, run_config  # noqa: E402
 
 DATA = {"messages": [{"role": "user", "content": "12+34="}], "answer": 46}
 NO_TRACING = RunConfig(tracing_disabled=True)
 
-# What openai-agents 0.24 sends for ModelSettings(max_tokens=8, temperature=1.0) to a non-OpenAI
-# base_url (it adds store / stream_options only for api.openai.com). A new field here means the
-# server schema needs a look: it rejects unknown fields.
-BASE_FIELDS = {"model", "messages", "max_tokens", "temperature"}
+# What openai-agents 0.24's Responses model sends for ModelSettings(max_tokens=8,
+# temperature=1.0). A new field here means the server schema needs a look: it rejects unknown
+# fields.
+BASE_FIELDS = {"model", "input", "include", "max_output_tokens", "temperature", "tools"}
 SDK_FIELDS = {
     (False, False): BASE_FIELDS,
     (False, True): BASE_FIELDS | {"stream"},
-    (True, False): BASE_FIELDS | {"tools"},
-    (True, True): BASE_FIELDS | {"tools", "stream"},
+    (True, False): BASE_FIELDS,
+    (True, True): BASE_FIELDS | {"stream"},
 }
 
 
 class MockOpenAI:
-    """An httpx transport standing in for the server: records bodies, replies `answer` (or, once,
-    a `calc` tool call when tools are offered and `call_tool` is set)."""
+    """An httpx transport standing in for the server's /v1/responses: records bodies, replies
+    `answer` (or, once, a `calc` function call when tools are offered and `call_tool` is set),
+    in the shapes responses_api writes."""
 
     def __init__(self, answer="46", call_tool=False):
         self.answer, self.call_tool, self.bodies = answer, call_tool, []
@@ -59,24 +63,21 @@ class MockOpenAI:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.bodies.append(body)
-        head = {"id": "chatcmpl-1", "created": 0, "model": "default"}
         message = {"role": "assistant", "content": self.answer}
         finish = "stop"
-        if self.call_tool and body.get("tools") and body["messages"][-1]["role"] != "tool":
+        answered = any(i.get("type") == "function_call_output" for i in body["input"])
+        if self.call_tool and body.get("tools") and not answered:
             message = {"role": "assistant", "content": None, "tool_calls": [{
                 "id": "call_1", "type": "function",
                 "function": {"name": "calc", "arguments": json.dumps({"expr": "12+34"})}}]}
             finish = "tool_calls"
+        reply = {"model": "default", "choices": [{"message": message, "finish_reason": finish}],
+                 "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+        response = responses_api.from_chat(reply, "resp_1",
+                                           responses_api.ResponsesBody.model_validate(body))
         if not body.get("stream"):
-            return httpx.Response(200, json={**head, "object": "chat.completion", "choices": [
-                {"index": 0, "message": message, "finish_reason": finish}]})
-        chunk = {**head, "object": "chat.completion.chunk"}
-        delta = {"role": "assistant", "content": self.answer}
-        if message["content"] is None:
-            delta = {"role": "assistant", "tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
-        events = [{**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
-                  {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}]
-        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            return httpx.Response(200, json=response)
+        text = "".join(responses_api.stream_events(response))
         return httpx.Response(200, content=text.encode(),
                               headers={"content-type": "text/event-stream"})
 
@@ -89,10 +90,10 @@ def mock_kwargs(mock):
 async def run_agent(example, stream, **kwargs):
     """Run the example's SDK agent (streamed or not) and return its final output."""
     client = openai.AsyncOpenAI(max_retries=0, **kwargs)
-    agent = example.build_agent(client)
+    agent, cfg = example.build_agent(), run_config(client)
     if not stream:
-        return (await Runner.run(agent, DATA["messages"], run_config=NO_TRACING)).final_output
-    result = Runner.run_streamed(agent, DATA["messages"], run_config=NO_TRACING)
+        return (await Runner.run(agent, DATA["messages"], run_config=cfg)).final_output
+    result = Runner.run_streamed(agent, DATA["messages"], run_config=cfg)
     async for _ in result.stream_events():
         pass
     return result.final_output
@@ -107,15 +108,16 @@ def test_sdk_request_fields_pass_the_server_schema(model_dir, tools, stream):
     tokenizer = load_tokenizer(model_dir)
     for body in mock.bodies:
         assert set(body) == SDK_FIELDS[tools, stream], body
-        assert body["max_tokens"] == 8 and body["temperature"] == 1.0
-        parsed = ChatCompletionBody.model_validate(body)
-        assert encode_chat_prompt(tokenizer, parsed.message_dicts(), tools=parsed.tool_dicts())
+        assert body["max_output_tokens"] == 8 and body["temperature"] == 1.0
+        chat = responses_api.to_chat(responses_api.ResponsesBody.model_validate(body), [])
+        assert encode_chat_prompt(tokenizer, chat.message_dicts(), tools=chat.tool_dicts())
     if tools:
-        assert body["tools"][0]["function"]["name"] == "calc"
+        assert chat.tool_dicts()[0]["function"]["name"] == "calc"
         # the second turn replays the call and its result, which the chat template renders
-        assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool"]
-        assert body["messages"][1]["tool_calls"][0]["function"]["name"] == "calc"
-        assert body["messages"][2]["content"] == "46"
+        messages = chat.message_dicts()
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+        assert messages[1]["tool_calls"][0]["function"]["name"] == "calc"
+        assert messages[2]["content"] == "46"
 
 
 @pytest.mark.parametrize("reply, reward", [("46", 1.0), (" 46\n", 1.0), ("45", 0.0),
@@ -155,36 +157,27 @@ def test_example_agent_runs_unchanged_against_asyncrl_serve(server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_function_tool_agent_against_asyncrl_serve(server, stream):
     example = AgentsSDKMathAgent(instructions="Use calc for arithmetic.", use_calculator=True)
-    output = asyncio.run(run_agent(example, stream, base_url=server, api_key="k"))
-    # the untrained model will not call calc; the point is that requests and replies parse
-    assert isinstance(output, str) and len(output) <= 8
-
-
-def test_streamed_usage_reaches_the_sdk(server):
-    async def main():
-        client = openai.AsyncOpenAI(base_url=server, api_key="k", max_retries=0)
-        agent = AgentsSDKMathAgent().build_agent(client)
-        agent.model_settings = ModelSettings(max_tokens=8, temperature=1.0, include_usage=True)
-        result = Runner.run_streamed(agent, DATA["messages"], run_config=NO_TRACING)
-        async for _ in result.stream_events():
-            pass
-        return result.context_wrapper.usage
-
-    usage = asyncio.run(main())
-    assert usage.input_tokens > 0 and 1 <= usage.output_tokens <= 8
+    # the untrained model will not call calc; the point is that requests and replies parse. A
+    # reply cut at max_tokens is a response with status "incomplete", which the SDK raises on.
+    try:
+        output = asyncio.run(run_agent(example, stream, base_url=server, api_key="k"))
+    except ModelBehaviorError as err:
+        assert "incomplete" in str(err) and "max_output_tokens" in str(err)
+    else:
+        assert isinstance(output, str) and len(output) <= 8
 
 
 @pytest.mark.parametrize("settings, field", [
     (ModelSettings(max_tokens=8, tool_choice="required"), "tool_choice"),
-    (ModelSettings(max_tokens=8, frequency_penalty=0.5), "frequency_penalty"),
+    (ModelSettings(max_tokens=8, reasoning=Reasoning(effort="high")), "reasoning.effort"),
     (ModelSettings(max_tokens=8, top_logprobs=2), "top_logprobs"),
 ])
 def test_settings_the_server_cannot_honour_fail_with_a_clear_400(server, settings, field):
     async def main():
         client = openai.AsyncOpenAI(base_url=server, api_key="k", max_retries=0)
-        agent = AgentsSDKMathAgent(use_calculator=True).build_agent(client)
+        agent = AgentsSDKMathAgent(use_calculator=True).build_agent()
         agent.model_settings = settings
-        await Runner.run(agent, DATA["messages"], run_config=NO_TRACING)
+        await Runner.run(agent, DATA["messages"], run_config=run_config(client))
 
     with pytest.raises(openai.BadRequestError, match=field) as err:
         asyncio.run(main())

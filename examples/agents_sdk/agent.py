@@ -4,8 +4,8 @@ The agent code is plain Agents SDK; only the client is pointed at the `base_url`
 asyncrl injects (its recording proxy during RL, or any OpenAI-compatible server such as
 `asyncrl serve` at http://HOST:PORT/v1). Install the SDK with `pip install -e ".[agents]"`.
 
-The SDK uses the Chat Completions model here (`OpenAIChatCompletionsModel`): the proxy and
-`asyncrl serve` speak /v1/chat/completions, not the Responses API the SDK defaults to. Its tracing
+The agent uses the SDK's default model class (the Responses API, /v1/responses), which the
+proxy and `asyncrl serve` speak; the run's provider is given the client. The SDK's tracing
 exports to api.openai.com by default, so every run disables it (RunConfig(tracing_disabled=True)).
 
 The instance holds only plain settings (no client, no SDK objects), so it pickles for the
@@ -19,7 +19,8 @@ import operator
 import os
 from typing import Any
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, function_tool
+from agents.exceptions import ModelBehaviorError
 from openai import AsyncOpenAI
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -50,6 +51,11 @@ def calc(expr: str) -> str:
     return str(evaluate(expr))
 
 
+def run_config(client: AsyncOpenAI) -> RunConfig:
+    """The SDK's default provider (its Responses model) on `client`; no tracing upload."""
+    return RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+
+
 class AgentsSDKMathAgent:
     """Answers a math prompt with one Agents SDK agent; reward 1.0 for the exact answer, else 0.0.
 
@@ -67,11 +73,11 @@ class AgentsSDKMathAgent:
         self.model = model
         self.max_turns = max_turns
 
-    def build_agent(self, client: AsyncOpenAI) -> Agent:
+    def build_agent(self) -> Agent:
         return Agent(
             name="math",
             instructions=self.instructions,
-            model=OpenAIChatCompletionsModel(model=self.model, openai_client=client),
+            model=self.model,
             model_settings=ModelSettings(max_tokens=self.max_tokens, temperature=self.temperature),
             tools=[calc] if self.use_calculator else [],
         )
@@ -87,14 +93,18 @@ class AgentsSDKMathAgent:
             max_retries=0,  # a retried completion would be recorded twice
         )
         try:
-            result = await Runner.run(self.build_agent(client), list(data["messages"]),
-                                      max_turns=self.max_turns,
-                                      run_config=RunConfig(tracing_disabled=True))
+            result = await Runner.run(self.build_agent(), list(data["messages"]),
+                                      max_turns=self.max_turns, run_config=run_config(client))
         finally:
             if http_client is None:  # a shared, injected client belongs to the caller
                 await client.close()
         return str(result.final_output)
 
     async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float:
-        output = await self.solve(data, **extra_kwargs)
+        try:
+            output = await self.solve(data, **extra_kwargs)
+        except ModelBehaviorError:
+            # The SDK raises when a reply ends at max_tokens (status "incomplete", as OpenAI
+            # reports it) or is malformed: the reply is recorded all the same, and earns 0.
+            return 0.0
         return 1.0 if output.strip() == str(data["answer"]).strip() else 0.0
