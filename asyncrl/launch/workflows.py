@@ -4,6 +4,8 @@ the RolloutWorkflow the executor runs: the `WORKFLOWS` registry (asyncrl/plugins
 - rlvr: one prompt, `gconfig.n_samples` sampled answers, one reward each;
 - multi_turn: answer, feedback, retry; `gconfig.n_samples` episodes per prompt form the group;
 - agent: any agent program (`async def run(data, **kw)`) through the OpenAI-compatible proxy;
+- command: an agent that is a program (argv), run per episode against the proxy;
+- agent_env: the documents' Agent + gymnasium-style Environment, named by path;
 - custom: your own (`path: package.module:Name`, a class or factory called with `kwargs` plus
   whichever of tokenizer, gconfig, reward_fn, chat its signature names); `workflow: {path: ...}`
   without a kind means this one.
@@ -28,7 +30,9 @@ from asyncrl.errors import UserError
 from asyncrl.imports import import_object
 from asyncrl.models.chat_options import ChatOptions
 from asyncrl.plugins import Registry
-from asyncrl.proxy.config import AgentConfig
+from asyncrl.proxy.command_agent import CommandLimits
+from asyncrl.proxy.config import AgentConfig, ProxyConfig
+from asyncrl.rollout.agent_env import AgentEnvConfig
 from asyncrl.reward.call import RewardFn
 from asyncrl.rollout.answer_eval import EvalConfig
 from asyncrl.rollout.multi_turn import MultiTurnConfig
@@ -63,7 +67,8 @@ def _needs_reward(ctx: WorkflowContext, kind: str) -> RewardFn:
 class RLVRWorkflowConfig(Config):
     """One prompt, `gconfig.n_samples` sampled answers, one reward each."""
 
-    kind: Literal["rlvr"] = "rlvr"  # the workflow (WORKFLOWS: rlvr | multi_turn | agent | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    kind: Literal["rlvr"] = "rlvr"
     # with model.reasoning_parser set, the reward reads only the answer after the reasoning
     # (`</think>`); true: the whole reply (a reward on the reasoning's form or length). The
     # trained tokens are the whole reply either way.
@@ -80,7 +85,7 @@ class RLVRWorkflowConfig(Config):
 class MultiTurnWorkflowConfig(MultiTurnConfig):
     """Answer, feedback, retry; `gconfig.n_samples` episodes per prompt form the group."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
     kind: Literal["multi_turn"] = "multi_turn"
 
     def build(self, ctx: WorkflowContext) -> RolloutWorkflow:
@@ -99,10 +104,13 @@ class AgentWorkflowConfig(AgentConfig):
     `gconfig.n_samples` runs per prompt form the group. The agent sets its own sampling
     parameters per request; leave temperature unset (1.0) so it matches the trainer's."""
 
-    kind: Literal["agent"] = "agent"  # the workflow (WORKFLOWS: rlvr | multi_turn | agent | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    kind: Literal["agent"] = "agent"
 
-    def build(self, ctx: WorkflowContext, agent: Any = None) -> RolloutWorkflow:
-        """`agent`: an object or class given in Python; else `path`."""
+    def build(self, ctx: WorkflowContext, agent: Any = None,
+              reward_fn: RewardFn | None = None) -> RolloutWorkflow:
+        """`agent`: an object or class given in Python; else `path`. `reward_fn`: scores the
+        last reply when the agent returns None (command agents)."""
         from asyncrl.proxy.server import ProxyServer
         from asyncrl.proxy.workflow import AgentWorkflow
         from asyncrl.rollout.group import GroupedWorkflow
@@ -115,9 +123,69 @@ class AgentWorkflowConfig(AgentConfig):
             proxy = ProxyServer(ctx.engine, ctx.tokenizer, self.proxy,
                                 context_length=ctx.context_length, chat=ctx.chat,
                                 vision=ctx.vision)
-            inner = AgentWorkflow(agent, proxy, self, eval_concurrency=ctx.eval.concurrency)
+            inner = AgentWorkflow(agent, proxy, self, eval_concurrency=ctx.eval.concurrency,
+                                  reward_fn=reward_fn)
         except ValueError as err:
             raise UserError(f"workflow.path: {err}") from err
+        n = ctx.gconfig.n_samples
+        return GroupedWorkflow(inner, n) if n > 1 else inner
+
+
+class CommandWorkflowConfig(Config):
+    """An agent that is a program (`argv`), run once per episode against the proxy: the session's
+    OPENAI_/ANTHROPIC_ BASE_URL and API_KEY in its environment, the row as JSON on stdin, the
+    reward on its last stdout line (a number, or a JSON object of completion ids) or, with
+    `reward: reward_fn`, the run's reward on the session's last reply. Its process group is
+    killed at the end, on timeout and on cancellation (asyncrl/proxy/command_agent.py)."""
+
+    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    kind: Literal["command"] = "command"
+    argv: list[str] = pydantic.Field(min_length=1, description="the program and its arguments")
+    env: dict[str, str] = {}  # more environment variables
+    cwd: str | None = None  # working directory (None: the job's)
+    reward: Literal["stdout", "reward_fn"] = "stdout"
+    max_output_bytes: int = pydantic.Field(1 << 20, ge=1)  # stdout or stderr; more: rejected
+    limits: CommandLimits = CommandLimits()  # rlimits of the program and its children
+    timeout_s: float = pydantic.Field(300.0, gt=0)  # one episode; longer: killed, rejected
+    turn_discount: float = pydantic.Field(1.0, ge=0.0, le=1.0)
+    export_style: Literal["individual", "concat"] = "individual"
+    proxy: ProxyConfig = ProxyConfig()
+
+    def build(self, ctx: WorkflowContext) -> RolloutWorkflow:
+        from asyncrl.proxy.command_agent import CommandAgent
+
+        agent = CommandAgent(self.argv, self.env, self.cwd, self.reward, self.max_output_bytes,
+                             self.limits)
+        cfg = AgentWorkflowConfig(timeout_s=self.timeout_s, turn_discount=self.turn_discount,
+                                  export_style=self.export_style, proxy=self.proxy)
+        reward_fn = _needs_reward(ctx, "command (reward: reward_fn)") \
+            if self.reward == "reward_fn" else None
+        return cfg.build(ctx, agent=agent, reward_fn=reward_fn)
+
+
+class AgentEnvWorkflowConfig(AgentEnvConfig):
+    """The documents' Agent + Environment: `agent` and `env` name classes (or factories) built
+    once per episode, each with its kwargs plus the row (`data`) when its signature takes one.
+    The env is a gymnasium-style Env (async reset/step, or gymnasium's own sync ones); each
+    agent step that generated tokens is a sample, rewarded with the discounted return."""
+
+    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    kind: Literal["agent_env"] = "agent_env"
+    agent: str = pydantic.Field(description="package.module:AgentClass")
+    env: str = pydantic.Field(description="package.module:EnvClass")
+    agent_kwargs: dict[str, Any] = {}
+    env_kwargs: dict[str, Any] = {}
+
+    def build(self, ctx: WorkflowContext) -> RolloutWorkflow:
+        from asyncrl.rollout.agent_env import AgentEnvWorkflow, per_episode
+        from asyncrl.rollout.group import GroupedWorkflow
+
+        agent_cls = import_object(self.agent, "workflow.agent")
+        env_cls = import_object(self.env, "workflow.env")
+        inner = AgentEnvWorkflow(
+            per_episode(agent_cls, self.agent_kwargs, ctx.injectable(), "workflow.agent"),
+            per_episode(env_cls, self.env_kwargs, ctx.injectable(), "workflow.env"),
+            AgentEnvConfig(max_steps=self.max_steps, discount=self.discount))
         n = ctx.gconfig.n_samples
         return GroupedWorkflow(inner, n) if n > 1 else inner
 
@@ -130,7 +198,7 @@ class CustomWorkflowConfig(Config):
     (`async def run(data, **kw)`, run through the proxy).
     `workflow: {path: ..., kwargs: ...}` without a kind means this one."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
     kind: Literal["custom"] = "custom"
     path: str = pydantic.Field(description="package.module:ClassOrFactory")
     kwargs: dict[str, Any] = {}  # keyword arguments of the class or factory
@@ -144,7 +212,7 @@ class CustomWorkflowConfig(Config):
 WORKFLOWS: Registry = Registry("workflow",
                                infer_kind=lambda m: "custom" if "path" in m else None)
 for _cls in (RLVRWorkflowConfig, MultiTurnWorkflowConfig, AgentWorkflowConfig,
-             CustomWorkflowConfig):
+             CommandWorkflowConfig, AgentEnvWorkflowConfig, CustomWorkflowConfig):
     WORKFLOWS.register(_cls)
 
 WorkflowConfig = WORKFLOWS.field()

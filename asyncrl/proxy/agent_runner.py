@@ -20,7 +20,7 @@ from typing import Any
 from asyncrl.imports import import_object
 from asyncrl.proxy.config import AgentConfig
 
-AgentResult = float | dict[str, float]
+AgentResult = float | dict[str, float] | None  # None: the workflow's reward_fn scores it
 
 
 def load_agent(spec: Any, init_kwargs: dict[str, Any] | None = None) -> Any:
@@ -36,6 +36,8 @@ def load_agent(spec: Any, init_kwargs: dict[str, Any] | None = None) -> Any:
 
 
 def check_result(result: Any) -> AgentResult:
+    if result is None:
+        return None
     if isinstance(result, bool) or not isinstance(result, (int, float, dict)):
         raise TypeError(f"agent returned {type(result).__name__}; allowed: float or "
                         "dict[str, float] (completion id -> reward)")

@@ -23,6 +23,9 @@ from typing import Any
 
 from asyncrl.api import EpisodeRejected, EvalReport, InferenceEngine, Trajectory
 from asyncrl.proxy.agent_runner import AgentRunner, load_agent
+from asyncrl.proxy.command_agent import CommandAgentError
+from asyncrl.proxy.records import Session
+from asyncrl.reward.call import RewardFn, call_reward
 from asyncrl.proxy.config import AgentConfig
 from asyncrl.proxy.errors import NotFoundError
 from asyncrl.proxy.server import ProxyServer
@@ -32,8 +35,11 @@ log = logging.getLogger(__name__)
 
 class AgentWorkflow:
     def __init__(self, agent: Any, proxy: ProxyServer, cfg: AgentConfig | None = None,
-                 eval_concurrency: int = 256) -> None:
+                 eval_concurrency: int = 256, reward_fn: RewardFn | None = None) -> None:
+        """`reward_fn`: scores the session's last reply against the row when the agent returns
+        None (a command agent with `reward: reward_fn`)."""
         self.cfg = cfg or AgentConfig()
+        self.reward_fn = reward_fn
         self.eval_concurrency = eval_concurrency
         self.agent = load_agent(agent, self.cfg.init_kwargs)
         self.proxy = proxy
@@ -65,8 +71,12 @@ class AgentWorkflow:
             except (TimeoutError, asyncio.TimeoutError):
                 self.reject("timeout", f"agent {name} ran past timeout_s={self.cfg.timeout_s}",
                             data)
+            except CommandAgentError as err:
+                self.reject(f"command_{err.kind}", f"agent {name}: {err}", data)
             except Exception as err:  # boundary: the user's agent failed, the run goes on
                 self.reject("error", f"agent {name} raised {err!r}", data)
+            if result is None:
+                result = await self.score_last_reply(session, data)
             try:
                 store.end(session.id)
                 session.set_reward(result)
@@ -79,6 +89,17 @@ class AgentWorkflow:
             store.drop(session.id)
         reward = float(sum(result.values())) if isinstance(result, dict) else float(result)
         return Trajectory(samples, group_id=str(data.get("id", ""))), reward
+
+    async def score_last_reply(self, session: Session, data: dict[str, Any]) -> float:
+        """The reward function on the session's last reply (its first choice) and the row."""
+        if self.reward_fn is None:
+            self.reject("error", "the agent returned no reward and the workflow has no reward "
+                                 "function to score its last reply", data)
+        if not session.turns:
+            self.reject("no_completions", "the agent made no completion", data)
+        message = session.completions[session.turns[-1][0]].message
+        return await call_reward(self.reward_fn, message.get("content") or
+                                 message.get("text") or "", data)
 
     def reject(self, kind: str, reason: str, data: dict[str, Any]) -> None:
         """Count the rejection and raise it (the executor logs it, rate-limited)."""

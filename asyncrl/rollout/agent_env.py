@@ -8,6 +8,7 @@ thousands of episodes can run concurrently on one event loop without sharing sta
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,47 @@ import pydantic
 from asyncrl.api import Agent, Environment, InferenceEngine, Sample, Trajectory
 from asyncrl.config import Config
 from asyncrl.reward.returns import discounted_returns
+
+
+def per_episode(cls: Callable[..., Any], kwargs: dict[str, Any], injectable: dict[str, Any],
+                what: str) -> Callable[[dict[str, Any]], Any]:
+    """A factory `data -> object`: `cls(**kwargs, **what its signature asks of injectable,
+    data=row if it takes data)`; a gymnasium Env with sync reset/step is wrapped (SyncEnv)."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    extra = {k: v for k, v in injectable.items() if k in params and k not in kwargs}
+
+    def make(data: dict[str, Any]) -> Any:
+        try:
+            obj = cls(**kwargs, **extra, **({"data": data} if "data" in params else {}))
+        except TypeError as err:
+            raise TypeError(f"{what}: calling {cls!r} with {sorted(kwargs)} failed: {err}") \
+                from err
+        reset = getattr(obj, "reset", None)
+        if callable(getattr(obj, "step", None)) and not inspect.iscoroutinefunction(reset):
+            return SyncEnv(obj)
+        return obj
+
+    return make
+
+
+class SyncEnv:
+    """gymnasium's sync `reset`/`step` as the async ones Environment declares (called on the
+    loop: a slow env should define async methods itself)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.observation_space = getattr(env, "observation_space", None)
+        self.action_space = getattr(env, "action_space", None)
+
+    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+                    ) -> tuple[Any, dict[str, Any]]:
+        return self.env.reset(seed=seed, options=options)
+
+    async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        return self.env.step(action)
 
 
 class AgentEnvConfig(Config):
