@@ -2,7 +2,8 @@
 
 Every operation gets schema-conforming (positive) and schema-violating (negative) requests over one
 keep-alive session; no response may be a 5xx (`not_a_server_error`) and every 4xx must be in
-OpenAI's error shape. Generation is bounded: the tiny model, max_tokens capped at 4 (the fuzzer
+OpenAI's error shape (Anthropic's on /v1/messages). /v1/messages and /v1/responses are among the
+operations on both servers. Generation is bounded: the tiny model, max_tokens capped at 4 (the fuzzer
 asks for anything; the servers refuse more), a fixed number of examples per operation and
 derandomized Hypothesis, so a run is reproducible and takes well under a minute on 2 cores.
 `/pause` and `/resume` are left out: a paused engine holds generation requests by design; so are
@@ -43,6 +44,8 @@ class Fuzzer:
         self.schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
         self.session = requests.Session()  # one keep-alive connection for every case
         self.statuses: collections.Counter[int] = collections.Counter()
+        self.by_path: collections.defaultdict[str, collections.Counter[int]] = \
+            collections.defaultdict(collections.Counter)
 
     def run(self, headers: dict[str, str], modes=BOTH, examples: int = EXAMPLES,
             skip: tuple[str, ...] = (), path_parameters: dict | None = None) -> None:
@@ -67,8 +70,13 @@ class Fuzzer:
                                           headers=headers, checks=[not_a_server_error],
                                           timeout=REQUEST_TIMEOUT_S)
             self.statuses[resp.status_code] += 1
+            self.by_path[op.path][resp.status_code] += 1
             if resp.status_code >= 400:
                 body = resp.json()
+                if op.path == "/v1/messages":  # Anthropic's error shape
+                    assert body["type"] == "error" and set(body["error"]) == {
+                        "type", "message"}, (op.label, resp.status_code, resp.text[:300])
+                    return
                 assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(
                     body["error"]), (op.label, resp.status_code, resp.text[:300])
 
@@ -89,6 +97,8 @@ def test_fuzz_inference_server(serve_url):
           f"{time.perf_counter() - t0:.1f} s, statuses {dict(sorted(fuzz.statuses.items()))}")
     assert not any(status >= 500 for status in fuzz.statuses)
     assert fuzz.statuses[200] > 0  # the fuzzer reached the handlers, not only validation
+    for path in ("/v1/messages", "/v1/responses"):  # the new APIs' handlers were reached
+        assert fuzz.by_path[path][200] > 0, (path, dict(fuzz.by_path[path]))
 
 
 @pytest.mark.slow
@@ -105,3 +115,5 @@ def test_fuzz_proxy(proxy):
           f"statuses {dict(sorted(fuzz.statuses.items()))}")
     assert not any(status >= 500 for status in fuzz.statuses)
     assert fuzz.statuses[200] > 0
+    for path in ("/v1/messages", "/v1/responses"):  # the new APIs' handlers were reached
+        assert fuzz.by_path[path][200] > 0, (path, dict(fuzz.by_path[path]))

@@ -62,7 +62,7 @@ def test_agent_config_errors_are_one_line(model_dir, tmp_path):
 
 
 def test_example_agent_configs_validate():
-    for name in ("math_agent", "retry_agent", "tool_agent", "agents_sdk"):
+    for name in ("math_agent", "retry_agent", "tool_agent", "agents_sdk", "langchain_agent"):
         path = ROOT / "examples" / name / "train.yaml"
         if path.is_file():
             cfg = TrainRunConfig.load(str(path), [])
