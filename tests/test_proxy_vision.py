@@ -148,3 +148,29 @@ def test_a_text_only_policy_refuses_image_parts(model_dir):
                     max_tokens=2)
     finally:
         engine.shutdown()
+
+
+def test_anthropic_image_blocks_and_responses_input_images_reach_the_policy(vl_dir, proxy):
+    """The same images through /v1/messages (a base64 image block, with the anthropic SDK) and
+    /v1/responses (an input_image part): recorded with the prompt the trainer's encoder gives."""
+    anthropic = pytest.importorskip("anthropic")
+    server, _ = proxy
+    s = session(server)
+    url = data_url(scene(2))
+    encoder = VisionPromptEncoder.from_model_dir(vl_dir)
+    want = encoder.encode([{"role": "user", "content": [{"type": "image", "image": scene(2)},
+                                                        {"type": "text", "text": "How many?"}]}])
+    msg = anthropic.Anthropic(base_url=server.url, api_key=s["api_key"], max_retries=0)
+    reply = msg.messages.create(model="default", max_tokens=4, messages=[{
+        "role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": url.split(",", 1)[1]}},
+            {"type": "text", "text": "How many?"}]}])
+    client = openai.OpenAI(base_url=server.base_url, api_key=s["api_key"], max_retries=0)
+    resp = client.responses.create(model="default", max_output_tokens=4, input=[{
+        "role": "user", "content": [{"type": "input_image", "image_url": url},
+                                    {"type": "input_text", "text": "How many?"}]}])
+    stored = server.store.get(s["session_id"]).completions
+    for cid in (reply.id, resp.id):
+        c = stored[cid]
+        assert c.prompt_ids == want.input_ids and c.images.digest == want.image_inputs().digest
