@@ -172,3 +172,24 @@ def test_example_configs_validate():
     with pytest.raises(ValueError, match="env"):
         TrainRunConfig.from_dict({"workflow": {"kind": "agent_env", "agent": "a:b"}})
     assert json.dumps(CommandLimits(cpu_seconds=2).rlimits()) == '{"RLIMIT_CPU": 2}'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["agent_env", "command_agent"])
+def test_the_examples_train_through_asyncrl_train(model_dir, tmp_path, example):
+    """`asyncrl train examples/<example>/train.yaml` as a user runs it (a subprocess from the
+    repository root), shortened to 2 steps on the tiny model."""
+    import subprocess
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "train", f"examples/{example}/train.yaml",
+         f"model.path={model_dir}", "total_steps=2", "eval.every=0", "gconfig.n_samples=2",
+         "rollout.batch_size=2", "gconfig.max_new_tokens=6", "max_train_seconds=null",
+         "filter_uniform_groups=false",  # the untrained tiny model earns 0 everywhere
+         f"output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, ASYNCRL_CACHE=str(tmp_path / "cache")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [m for m in metrics(out) if "reward/mean" in m]
+    assert [m["policy/version"] for m in steps] == [1.0, 2.0]
