@@ -210,3 +210,50 @@ def test_advantage_config_validation():
         AdvantageConfig.from_dict({"estimator": "ppo"})
     with pytest.raises(ConfigError, match="gamma=1.5"):
         AdvantageConfig.from_dict({"gamma": 1.5})
+
+
+def test_grpo_singleton_group_zero_or_verls_raw_by_hand():
+    rewards, ids = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([7, 7, 9])
+    zero = grpo_advantages(rewards, ids, eps=0.5)
+    # group 7: mean 0.5, unbiased std 0.7071 -> +-0.5 / 1.2071; group 9 alone: 0
+    assert zero.tolist() == pytest.approx([0.5 / 1.2071068, -0.5 / 1.2071068, 0.0])
+    raw = grpo_advantages(rewards, ids, eps=0.5, singleton="raw")
+    assert raw.tolist() == pytest.approx([0.5 / 1.2071068, -0.5 / 1.2071068, 2.0 / 1.5])
+
+
+def test_token_whitening_by_hand():
+    from asyncrl.train.advantages import whiten_tokens
+
+    adv = torch.tensor([[1.0, 1.0, 9.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # tokens 1, 1, 4: mean 2, unbiased var (1 + 1 + 4) / 2 = 3
+    out = whiten_tokens(adv, mask, eps=0.0)
+    s = math.sqrt(3.0)
+    torch.testing.assert_close(out, torch.tensor([[-1 / s, -1 / s, 0.0], [2 / s, 0.0, 0.0]]))
+
+
+def test_reinforce_pp_baseline_and_whiten_through_compute_advantages():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    ids = torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 1]])
+    inputs = AdvantageInputs(rewards, mask, group_ids=ids)
+    got = compute_advantages(inputs, AdvantageConfig(estimator="reinforce_pp_baseline",
+                                                     whiten_eps=1e-12)).advantages
+    # r - group mean: 0.5, -0.5, 1, -1; on tokens: 0.5, 0.5, -0.5, 1, -1, -1 (mean 0.25/6)
+    toks = torch.tensor([0.5, 0.5, -0.5, 1.0, -1.0, -1.0])
+    mean, std = toks.mean(), toks.std()
+    want = [[(0.5 - mean) / std, (0.5 - mean) / std], [(-0.5 - mean) / std, 0.0],
+            [(1.0 - mean) / std, 0.0], [(-1.0 - mean) / std, (-1.0 - mean) / std]]
+    torch.testing.assert_close(got, torch.tensor(want), atol=1e-6, rtol=0)
+    # whiten after grpo: the token advantages have mean 0 and unit (unbiased) std
+    w = compute_advantages(inputs, AdvantageConfig(whiten=True)).advantages
+    on = w[mask.bool()]
+    assert float(on.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(on.std()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_conventions_that_do_not_fit_are_refused_at_load():
+    with pytest.raises(ValueError, match="singleton_group"):
+        AdvantageConfig(estimator="rloo", singleton_group="raw")
+    with pytest.raises(ValueError, match="already whitens"):
+        AdvantageConfig(estimator="reinforce_pp_baseline", whiten=True)

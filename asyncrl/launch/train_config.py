@@ -209,8 +209,10 @@ class TrainRunConfig(Config):
     def _consistent(self) -> TrainRunConfig:
         self._check_lora()
         self._check_images()
-        if self.gconfig.n_samples < 2 and self.actor.advantage.estimator in ("grpo", "rloo",
-                                                                              "drgrpo"):
+        adv = self.actor.advantage
+        if self.gconfig.n_samples < 2 and adv.estimator in (
+                "grpo", "rloo", "drgrpo", "reinforce_pp_baseline") and not (
+                adv.estimator == "grpo" and adv.singleton_group == "raw"):
             raise ValueError(f"gconfig.n_samples={self.gconfig.n_samples} is out of range for "
                              f"advantage.estimator={self.actor.advantage.estimator!r}: a group "
                              "baseline needs allowed [2, inf)")

@@ -68,13 +68,18 @@ def _standardise(centred: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor | None = None, eps: float = 1e-6
+    rewards: torch.Tensor, group_ids: torch.Tensor | None = None, eps: float = 1e-6,
+    singleton: str = "zero",
 ) -> torch.Tensor:
-    """GRPO: (r - group mean) / (group std + eps); same shape as rewards."""
+    """GRPO: (r - group mean) / (group std + eps); same shape as rewards. A group of one
+    sample: 0 (`singleton="zero"`), or r / (1 + eps) (`"raw"`, verl's: mean 0 and std 1)."""
     r, index, g = _flatten_groups(rewards, group_ids)
     count, mean = _group_count_mean(r, index, g)
     var = _group_sum((r - mean).square(), index, g) / (count - 1).clamp(min=1)
-    return _standardise(r - mean, var.sqrt() + eps).reshape(rewards.shape)
+    adv = _standardise(r - mean, var.sqrt() + eps)
+    if singleton == "raw":
+        adv = torch.where(count == 1, r / (1.0 + eps), adv)
+    return adv.reshape(rewards.shape)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,6 +103,19 @@ def batch_normalized_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> tor
     centred = r - r.mean()
     var = centred.square().sum() / max(r.numel() - 1, 1)
     return _standardise(centred, var.sqrt() + eps)
+
+
+def whiten_tokens(advantages: torch.Tensor, loss_mask: torch.Tensor,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """(A - mean) / sqrt(var + eps) over the loss tokens (unbiased variance), 0 elsewhere:
+    token-level whitening, where a long sequence weighs in by its length."""
+    mask = loss_mask.bool()
+    n = mask.sum()
+    mean = masked_mean(advantages, mask)
+    var = torch.where(mask, advantages - mean, torch.zeros_like(advantages)).square().sum() \
+        / (n - 1).clamp(min=1)
+    out = (advantages - mean) * torch.rsqrt(var + eps)
+    return torch.where(mask, out, torch.zeros_like(out))
 
 
 def expand_to_tokens(seq_values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -182,7 +200,7 @@ def _group_ids(inputs: AdvantageInputs, cfg: AdvantageConfig) -> torch.Tensor:
 
 
 def _grpo(rewards, mask, inputs, cfg):
-    adv = grpo_advantages(rewards, _group_ids(inputs, cfg), cfg.std_eps)
+    adv = grpo_advantages(rewards, _group_ids(inputs, cfg), cfg.std_eps, cfg.singleton_group)
     return expand_to_tokens(adv, mask), None
 
 
@@ -196,6 +214,13 @@ def _drgrpo(rewards, mask, inputs, cfg):
 
 def _reinforce_pp(rewards, mask, inputs, cfg):
     return expand_to_tokens(batch_normalized_advantages(rewards, cfg.std_eps), mask), None
+
+
+def _reinforce_pp_baseline(rewards, mask, inputs, cfg):
+    """verl's REINFORCE++-baseline: r - group mean on every token, whitened over the step's
+    loss tokens."""
+    centred = drgrpo_advantages(rewards, _group_ids(inputs, cfg))
+    return whiten_tokens(expand_to_tokens(centred, mask), mask, cfg.whiten_eps), None
 
 
 def _gae(rewards, mask, inputs, cfg):
@@ -212,6 +237,7 @@ ESTIMATORS: dict[str, EstimatorFn] = {
     "rloo": _rloo,
     "drgrpo": _drgrpo,
     "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
     "gae": _gae,
 }
 # Estimators that read per-token rewards; the others see one number per sequence, so dense
@@ -247,6 +273,7 @@ def compute_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advanta
       3. r'' = r' + overlong_penalty_factor * overlong_penalty(L)  (added after the clip, so the
          penalty keeps its configured size; a truncated row still pays it under "zero_reward")
       4. estimator(r'') -> per-token advantages (and returns for gae)
+      5. whiten: token-level whitening of the advantages over the step's loss tokens
     """
     if inputs.token_rewards is not None and cfg.estimator not in TOKEN_LEVEL_ESTIMATORS:
         raise ValueError(
@@ -255,6 +282,8 @@ def compute_advantages(inputs: AdvantageInputs, cfg: AdvantageConfig) -> Advanta
         )
     rewards, mask, penalty = _final_rewards(inputs, cfg)
     advantages, returns = ESTIMATORS[cfg.estimator](rewards, mask, inputs, cfg)
+    if cfg.whiten:  # after GAE the returns keep the unwhitened advantages (the critic's target)
+        advantages = whiten_tokens(advantages, mask, cfg.whiten_eps)
     truncated = inputs.truncated
     stats = {
         "adv/reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,

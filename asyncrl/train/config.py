@@ -22,7 +22,7 @@ from asyncrl.plugins import Registry
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLKind = Literal["k1", "k2", "k3"]
-Estimator = Literal["grpo", "rloo", "drgrpo", "reinforce_pp", "gae"]
+Estimator = Literal["grpo", "rloo", "drgrpo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 TruncationMode = Literal["keep", "mask_loss", "zero_reward"]
 ProximalSource = Literal["recompute", "loglinear", "behaviour"]
 
@@ -182,7 +182,15 @@ class PPOLossConfig(Config):
 
 class AdvantageConfig(Config):
     estimator: Estimator = "grpo"  # how advantages are computed from rewards (gae: with the critic)
-    std_eps: float = pydantic.Field(1e-6, gt=0.0)  # added to the group's reward std before dividing
+    # added to the group's reward std before dividing (peers: 1e-6 TRL, verl; 1e-5, 1e-4 others)
+    std_eps: float = pydantic.Field(1e-6, gt=0.0)
+    # grpo, a group of one sample: "zero" (no comparison, no signal) or "raw": r / (1 + std_eps),
+    # verl's convention (its group mean 0 and std 1)
+    singleton_group: Literal["zero", "raw"] = "zero"
+    # after the estimator: (A - mean) / sqrt(var + whiten_eps) over every loss token of the step
+    # (token-level whitening: verl's masked_whiten for GAE and REINFORCE++, AReaL's adv_norm)
+    whiten: bool = False
+    whiten_eps: float = pydantic.Field(1e-8, gt=0.0)
     gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
     lam: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
     # rewards become clip((r - reward_bias) * reward_scale, -reward_clip, reward_clip)
@@ -201,6 +209,12 @@ class AdvantageConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _check_overlong(self) -> AdvantageConfig:
+        if self.singleton_group != "zero" and self.estimator != "grpo":
+            raise ValueError(f"singleton_group={self.singleton_group!r} applies to "
+                             f"estimator='grpo' only; estimator={self.estimator!r}")
+        if self.whiten and self.estimator == "reinforce_pp_baseline":
+            raise ValueError("estimator='reinforce_pp_baseline' already whitens over the step's "
+                             "tokens; leave whiten false")
         if self.overlong_buffer_len is None:
             return self
         if self.overlong_max_len is None:
