@@ -51,6 +51,35 @@ def test_corrections_by_hand():
     assert bound_weights(w, m, "cap", None)[0] is w
 
 
+def test_lower_truncation_product_weights_and_gspo_token_by_hand():
+    w = torch.tensor([0.2, 0.9, 1.5, 4.0])
+    m = torch.tensor([True, True, True, False])
+    got, out = truncate(w, m, 2.0, 0.5)  # two-sided truncation
+    assert got.tolist() == pytest.approx([0.5, 0.9, 1.5, 2.0]) and out.tolist() == [1, 0, 0, 0]
+    got, out = mask_above(w, m, 1.2, 0.5)
+    assert got.tolist() == pytest.approx([0.0, 0.9, 0.0, 4.0]) and out.tolist() == [1, 0, 1, 0]
+    # sequence_product: the sum of each sequence's log weights, clamped to +-20
+    log_w = torch.tensor([0.2, 0.4, 9.0, -0.6, 15.0, 15.0])
+    mask = torch.tensor([True, True, False, True, True, True])
+    seq_id = torch.tensor([0, 0, 0, 1, 2, 2])
+    got = log_weights(log_w, mask, "sequence_product", seq_id)
+    assert got.tolist() == pytest.approx([0.6, 0.6, 0.0, -0.6, 20.0, 20.0])
+    padded = log_weights(torch.tensor([[0.2, 0.4, 9.0]]), torch.tensor([[True, True, False]]),
+                         "sequence_product")
+    assert padded.tolist() == [pytest.approx([0.6, 0.6, 0.0])]
+    # GSPO-token: the sequence's mean as value, each token's own gradient
+    x = torch.tensor([0.2, 0.4, 0.0, -0.6], requires_grad=True)
+    m4, ids = torch.tensor([True, True, False, True]), torch.tensor([0, 0, 0, 1])
+    a = torch.tensor([1.0, 3.0, 0.0, 5.0])
+    tok = log_weights(x, m4, "sequence_token", ids)
+    assert tok.tolist() == pytest.approx([0.3, 0.3, 0.0, -0.6])
+    (tok * a).sum().backward()
+    assert x.grad.tolist() == pytest.approx([1.0, 3.0, 0.0, 5.0])
+    x.grad = None
+    (log_weights(x, m4, "sequence", ids) * a).sum().backward()
+    assert x.grad.tolist() == pytest.approx([2.0, 2.0, 0.0, 5.0])  # GSPO: the sequence's mean
+
+
 def test_sequence_level_weight_is_the_geometric_mean_packed_and_padded():
     # two sequences: log w (0.2, 0.4) and (-0.6,); the third token is padding / prompt
     log_w = torch.tensor([0.2, 0.4, 9.0, -0.6])
@@ -185,7 +214,10 @@ def test_bad_combinations_are_refused_when_the_config_loads():
     with pytest.raises(ValueError, match="icepop"):
         PPOLossConfig(behav_imp_weight_mode="icepop")
     with pytest.raises(ValueError, match="behav_imp_weight_floor"):
-        PPOLossConfig(behav_imp_weight_cap=2.0, behav_imp_weight_floor=0.5)
+        PPOLossConfig(behav_imp_weight_floor=0.5)  # a lower bound needs the upper one
+    assert PPOLossConfig(behav_imp_weight_cap=2.0, behav_imp_weight_floor=0.5).weight_level == \
+        "token"
+    assert PPOLossConfig(ratio_level="sequence_token").weight_level == "sequence"
     with pytest.raises(ValueError, match="cispo"):
         PPOLossConfig(policy_objective="cispo", ratio_level="sequence")
     from asyncrl.config import ConfigError
@@ -215,6 +247,11 @@ OPTIONS = {
                        "actor.ppo.loss_agg": "seq_mean_token_sum"},
     "reinforce_pp": {"actor.advantage.estimator": "reinforce_pp"},
     "reinforce_pp_baseline": {"actor.advantage.estimator": "reinforce_pp_baseline"},
+    "gspo_token": {"actor.ppo.ratio_level": "sequence_token"},
+    "tis_product_two_sided": {"actor.proximal.proximal_logprobs": "recompute",
+                              "actor.ppo.behav_imp_weight_cap": 2.0,
+                              "actor.ppo.behav_imp_weight_floor": 0.5,
+                              "actor.ppo.behav_imp_weight_level": "sequence_product"},
     "grpo_whiten_raw_singletons": {"actor.advantage.whiten": True,
                                    "actor.advantage.singleton_group": "raw",
                                    "actor.advantage.std_eps": 1e-4},

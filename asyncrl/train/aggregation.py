@@ -77,6 +77,15 @@ def per_sequence_mean(x: torch.Tensor, mask: torch.Tensor,
     return total / m.sum(-1).clamp(min=1)
 
 
+def per_sequence_sum(x: torch.Tensor, mask: torch.Tensor,
+                     seq_id: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over each sequence's masked tokens: [B, T] -> [B], or packed [N] -> [sequences]."""
+    _require_sequences(x, seq_id, "a per-sequence sum")
+    if seq_id is not None and x.ndim == 1:
+        return _segments(x, mask, seq_id)[0]
+    return torch.where(mask.bool(), x, torch.zeros_like(x)).sum(-1)
+
+
 def broadcast_to_tokens(per_seq: torch.Tensor, like: torch.Tensor,
                         seq_id: torch.Tensor | None = None) -> torch.Tensor:
     """A per-sequence value on each of its tokens: [B] -> [B, T], or [S] -> [N] via seq_id."""

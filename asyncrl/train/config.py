@@ -143,11 +143,14 @@ class PPOLossConfig(Config):
     behav_imp_weight_cap: float | None = pydantic.Field(None, gt=1.0)
     # how the bound on pi_prox / pi_behav is applied (see above)
     behav_imp_weight_mode: Literal["cap", "mask", "icepop"] = "cap"
-    # icepop: weights below this are masked (None: 1 / cap)
+    # the lower bound: cap raises weights below it to it, mask / icepop drop them (icepop's
+    # default 1 / cap; None: no lower bound)
     behav_imp_weight_floor: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
-    # token: one weight per token; sequence: per sequence (geometric mean); None: ratio_level's
-    behav_imp_weight_level: Literal["token", "sequence"] | None = None
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    # token: one weight per token; sequence: per sequence (geometric mean); sequence_product:
+    # per sequence, the product of token weights (verl, TRL); None: ratio_level's
+    behav_imp_weight_level: Literal["token", "sequence", "sequence_product"] | None = None
+    # sequence: GSPO; sequence_token: GSPO-token (the sequence ratio's value, per-token gradient)
+    ratio_level: Literal["token", "sequence", "sequence_token"] = "token"
     # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE (corrections.py)
     policy_objective: Literal["ppo", "cispo"] = "ppo"
     loss_agg: LossAgg = "token_mean"  # how token losses become one number (see aggregation.py)
@@ -164,16 +167,18 @@ class PPOLossConfig(Config):
 
     @property
     def weight_level(self) -> str:
-        return self.behav_imp_weight_level or self.ratio_level
+        """The behaviour weight's level: its own, else the ratio's (GSPO-token: sequence)."""
+        level = self.behav_imp_weight_level or self.ratio_level
+        return "sequence" if level == "sequence_token" else level
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> PPOLossConfig:
         if self.behav_imp_weight_mode == "icepop" and self.behav_imp_weight_cap is None:
             raise ValueError("behav_imp_weight_mode='icepop' needs behav_imp_weight_cap (the upper "
                              "bound; the lower is behav_imp_weight_floor, default 1 / cap)")
-        if self.behav_imp_weight_floor is not None and self.behav_imp_weight_mode != "icepop":
-            raise ValueError(f"behav_imp_weight_floor={self.behav_imp_weight_floor} applies to "
-                             "behav_imp_weight_mode='icepop' only")
+        if self.behav_imp_weight_floor is not None and self.behav_imp_weight_cap is None:
+            raise ValueError(f"behav_imp_weight_floor={self.behav_imp_weight_floor} needs "
+                             "behav_imp_weight_cap (the upper bound)")
         if self.policy_objective == "cispo" and (self.ratio_level != "token" or self.c_clip):
             raise ValueError("policy_objective='cispo' clips a per-token weight: it takes "
                              "ratio_level='token' and no c_clip")

@@ -15,6 +15,13 @@ the corrections bound it (all settings of `PPOLossConfig`, tested against hand-c
 `behav_imp_weight_level: sequence` computes one weight per sequence, the geometric mean of its
 token weights (the length-normalised sequence likelihood ratio, as GSPO's ratio), and bounds
 that: a sequence is kept, truncated or dropped whole (sequence-level TIS / MIS).
+`sequence_product` uses the product of the token weights instead (the sequence likelihood ratio,
+as verl's and TRL's sequence-level IS), its log clamped to +-LOG_PRODUCT_BOUND so it stays finite.
+`behav_imp_weight_floor` bounds w from below too: cap raises it to the floor (two-sided
+truncation), mask and icepop drop the token.
+
+`ratio_level: sequence_token` is GSPO-token: each token's ratio has the value of its sequence's
+(geometric-mean) ratio and the gradient of its own logprob, so per-token advantages apply.
 
 CISPO (`policy_objective: cispo`) is a different objective rather than a bound on w: it clips the
 importance ratio r = pi_theta / pi_prox as a stop-gradient weight on the REINFORCE term,
@@ -25,30 +32,44 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.train.aggregation import broadcast_to_tokens, per_sequence_mean
+from asyncrl.train.aggregation import broadcast_to_tokens, per_sequence_mean, per_sequence_sum
+
+
+LOG_PRODUCT_BOUND = 20.0  # |log| of a sequence_product weight: exp(20) ~ 4.9e8
 
 
 def log_weights(log_w: torch.Tensor, mask: torch.Tensor, level: str,
                 seq_id: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token log weights, or each sequence's mean log weight on all its tokens ("sequence");
-    0 off the mask, so exp() of padding can never overflow."""
+    """Per-token log weights ("token"); each sequence's mean ("sequence") or clamped sum
+    ("sequence_product") on all its tokens; "sequence_token": the sequence mean's value with
+    each token's own gradient (GSPO-token). 0 off the mask, so exp() of padding cannot overflow."""
     log_w = torch.where(mask, log_w, torch.zeros_like(log_w))
+    if level == "token":
+        return log_w
     if level == "sequence":
         return broadcast_to_tokens(per_sequence_mean(log_w, mask, seq_id), log_w, seq_id)
-    if level != "token":
-        raise ValueError(f"level={level!r} is not allowed; choose token or sequence")
-    return log_w
+    if level == "sequence_product":
+        total = per_sequence_sum(log_w, mask, seq_id).clamp(-LOG_PRODUCT_BOUND, LOG_PRODUCT_BOUND)
+        return torch.where(mask, broadcast_to_tokens(total, log_w, seq_id),
+                           torch.zeros_like(log_w))
+    if level == "sequence_token":
+        seq = broadcast_to_tokens(per_sequence_mean(log_w.detach(), mask, seq_id), log_w, seq_id)
+        return torch.where(mask, seq + log_w - log_w.detach(), torch.zeros_like(log_w))
+    raise ValueError(f"level={level!r} is not allowed; choose token, sequence, "
+                     "sequence_product or sequence_token")
 
 
-def truncate(w: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """TIS: (min(w, cap), where it was above cap)."""
-    return w.clamp(max=cap), (w > cap) & mask
+def truncate(w: torch.Tensor, mask: torch.Tensor, cap: float, floor: float | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """TIS: (w clamped to [floor, cap], where it was outside)."""
+    low = floor if floor is not None else float("-inf")
+    return w.clamp(min=low, max=cap), ((w > cap) | (w < low)) & mask
 
 
-def mask_above(w: torch.Tensor, mask: torch.Tensor, cap: float
+def mask_above(w: torch.Tensor, mask: torch.Tensor, cap: float, floor: float | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MIS: (w with 0 where w > cap, those positions)."""
-    out = (w > cap) & mask
+    """MIS: (w with 0 where w > cap or w < floor, those positions)."""
+    out = ((w > cap) | (w < (floor if floor is not None else float("-inf")))) & mask
     return torch.where(out, torch.zeros_like(w), w), out
 
 
@@ -65,9 +86,9 @@ def bound_weights(w: torch.Tensor, mask: torch.Tensor, mode: str, cap: float | N
     if cap is None:
         return w, torch.zeros_like(mask)
     if mode == "cap":
-        return truncate(w, mask, cap)
+        return truncate(w, mask, cap, floor)
     if mode == "mask":
-        return mask_above(w, mask, cap)
+        return mask_above(w, mask, cap, floor)
     if mode == "icepop":
         return icepop(w, mask, cap, floor if floor is not None else 1.0 / cap)
     raise ValueError(f"behav_imp_weight_mode={mode!r} is not allowed; choose cap, mask, icepop")
