@@ -80,6 +80,23 @@ def test_lower_truncation_product_weights_and_gspo_token_by_hand():
     assert x.grad.tolist() == pytest.approx([2.0, 2.0, 0.0, 5.0])  # GSPO: the sequence's mean
 
 
+def test_constant_normaliser_by_hand_and_split_into_micro_batches():
+    from asyncrl.train.aggregation import aggregate, normalizer_count, normalizer_unit
+
+    loss = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0], [4.0, 4.0, 4.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]]).bool()
+    unit = normalizer_unit("seq_mean_token_sum_norm")
+    n = normalizer_count(mask, unit)
+    assert unit == "sequences" and int(n) == 3
+    whole = aggregate(loss, mask, n, "seq_mean_token_sum_norm", horizon=4)
+    assert float(whole) == pytest.approx((1 + 2 + 3 + 12) / (3 * 4))
+    parts = sum(aggregate(loss[i:i + 1], mask[i:i + 1], n, "seq_mean_token_sum_norm",
+                          horizon=4) for i in range(3))
+    assert float(parts) == pytest.approx(float(whole))
+    with pytest.raises(ValueError, match="horizon"):
+        aggregate(loss, mask, n, "seq_mean_token_sum_norm")
+
+
 def test_sequence_level_weight_is_the_geometric_mean_packed_and_padded():
     # two sequences: log w (0.2, 0.4) and (-0.6,); the third token is padding / prompt
     log_w = torch.tensor([0.2, 0.4, 9.0, -0.6])
@@ -218,6 +235,10 @@ def test_bad_combinations_are_refused_when_the_config_loads():
     assert PPOLossConfig(behav_imp_weight_cap=2.0, behav_imp_weight_floor=0.5).weight_level == \
         "token"
     assert PPOLossConfig(ratio_level="sequence_token").weight_level == "sequence"
+    with pytest.raises(ValueError, match="loss_agg_horizon"):
+        PPOLossConfig(loss_agg="seq_mean_token_sum_norm")
+    with pytest.raises(ValueError, match="loss_agg_horizon"):
+        PPOLossConfig(loss_agg_horizon=8)
     with pytest.raises(ValueError, match="cispo"):
         PPOLossConfig(policy_objective="cispo", ratio_level="sequence")
     from asyncrl.config import ConfigError
@@ -248,6 +269,9 @@ OPTIONS = {
     "reinforce_pp": {"actor.advantage.estimator": "reinforce_pp"},
     "reinforce_pp_baseline": {"actor.advantage.estimator": "reinforce_pp_baseline"},
     "gspo_token": {"actor.ppo.ratio_level": "sequence_token"},
+    "drgrpo_constant_norm": {"actor.advantage.estimator": "drgrpo",
+                             "actor.ppo.loss_agg": "seq_mean_token_sum_norm",
+                             "actor.ppo.loss_agg_horizon": 6},
     "tis_product_two_sided": {"actor.proximal.proximal_logprobs": "recompute",
                               "actor.ppo.behav_imp_weight_cap": 2.0,
                               "actor.ppo.behav_imp_weight_floor": 0.5,

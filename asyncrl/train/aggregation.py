@@ -17,6 +17,9 @@ micro-batch of the step and every data-parallel rank):
 - "seq_mean_token_sum":  sum over loss tokens of l_t / normalizer; normalizer = number of
                          sequences with >= 1 loss token (verl's seq-mean-token-sum). Pass
                          num_sequences * max_response_len instead for Dr.GRPO's constant.
+- "seq_mean_token_sum_norm": that, divided by the constant `horizon` too: the step divides by
+                         sequences x horizon (Dr.GRPO's batch x max length, verl's
+                         seq-mean-token-sum-norm), so no length enters the normaliser.
 
 Token mode is shape-agnostic (any [B, T] or packed [N]). The sequence modes read sequences off
 the last dimension of a padded [B, T] layout, or, for a packed [N] micro-batch, off `seq_id` [N]
@@ -118,6 +121,7 @@ _NUMERATORS: dict[str, Reduce] = {
     "token_mean": _token_sum,
     "seq_mean_token_mean": _seq_mean_sum,
     "seq_mean_token_sum": _token_sum,
+    "seq_mean_token_sum_norm": _token_sum,
 }
 
 def _check_agg(loss_agg: str) -> None:
@@ -131,11 +135,17 @@ def aggregate(
     normalizer: float | torch.Tensor,
     loss_agg: LossAgg = "token_mean",
     seq_id: torch.Tensor | None = None,
+    horizon: float | None = None,
 ) -> torch.Tensor:
     """Per-token loss [B, T] (or packed [N], with seq_id for the sequence modes) -> scalar, see
-    the module docstring."""
+    the module docstring (`horizon`: seq_mean_token_sum_norm's constant)."""
     _check_agg(loss_agg)
-    return _NUMERATORS[loss_agg](loss_tok, loss_mask, seq_id) / normalizer
+    out = _NUMERATORS[loss_agg](loss_tok, loss_mask, seq_id) / normalizer
+    if loss_agg == "seq_mean_token_sum_norm":
+        if horizon is None:
+            raise ValueError("loss_agg='seq_mean_token_sum_norm' needs its horizon")
+        out = out / horizon
+    return out
 
 
 def normalizer_unit(loss_agg: LossAgg) -> str:

@@ -20,7 +20,8 @@ from asyncrl.imports import import_object
 from asyncrl.models.device import check_device_spec
 from asyncrl.plugins import Registry
 
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                  "seq_mean_token_sum_norm"]
 KLKind = Literal["k1", "k2", "k3"]
 Estimator = Literal["grpo", "rloo", "drgrpo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 TruncationMode = Literal["keep", "mask_loss", "zero_reward"]
@@ -154,6 +155,9 @@ class PPOLossConfig(Config):
     # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE (corrections.py)
     policy_objective: Literal["ppo", "cispo"] = "ppo"
     loss_agg: LossAgg = "token_mean"  # how token losses become one number (see aggregation.py)
+    # seq_mean_token_sum_norm's constant: token sums / (sequences x this), Dr.GRPO's batch x max
+    # length and verl's seq-mean-token-sum-norm (typically gconfig.max_new_tokens)
+    loss_agg_horizon: int | None = pydantic.Field(None, ge=1)
     entropy_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the entropy bonus; 0 off
     kl_coef: float = pydantic.Field(0.0, ge=0.0)  # weight of the KL to the reference policy; 0 off
     kl_kind: KLKind = "k3"  # estimator of the per-token KL
@@ -179,6 +183,10 @@ class PPOLossConfig(Config):
         if self.behav_imp_weight_floor is not None and self.behav_imp_weight_cap is None:
             raise ValueError(f"behav_imp_weight_floor={self.behav_imp_weight_floor} needs "
                              "behav_imp_weight_cap (the upper bound)")
+        if (self.loss_agg == "seq_mean_token_sum_norm") != (self.loss_agg_horizon is not None):
+            raise ValueError("loss_agg='seq_mean_token_sum_norm' and loss_agg_horizon go together "
+                             "(the constant, e.g. gconfig.max_new_tokens); got loss_agg="
+                             f"{self.loss_agg!r}, loss_agg_horizon={self.loss_agg_horizon}")
         if self.policy_objective == "cispo" and (self.ratio_level != "token" or self.c_clip):
             raise ValueError("policy_objective='cispo' clips a per-token weight: it takes "
                              "ratio_level='token' and no c_clip")

@@ -117,7 +117,7 @@ def ppo_actor_loss(
         pg, clip_mask, dual_mask = _clipped_surrogate(ratio, adv, cfg)
     weight, over_cap = _behaviour_weight(proximal, behaviour_logprobs.detach(), mask, cfg, seq_id)
     pg = pg * weight
-    loss = aggregate(pg, mask, normalizer, cfg.loss_agg, seq_id)
+    loss = aggregate(pg, mask, normalizer, cfg.loss_agg, seq_id, cfg.loss_agg_horizon)
     dropped = cfg.behav_imp_weight_mode in ("mask", "icepop")
     with torch.no_grad():
         token_log_ratio = torch.where(mask, logprobs - proximal, torch.zeros_like(proximal))
@@ -142,13 +142,15 @@ def ppo_actor_loss(
         stats["actor/entropy"] = float(masked_mean(entropy.detach(), loss_mask))
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * aggregate(entropy, loss_mask, normalizer,
-                                                       cfg.loss_agg, seq_id)
+                                                       cfg.loss_agg, seq_id,
+                                                       cfg.loss_agg_horizon)
     if cfg.kl_coef > 0 and cfg.kl_as == "loss":
         if ref_logprobs is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} with kl_as='loss' needs `ref_logprobs`")
         kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_kind)
         stats["actor/kl_ref"] = float(masked_mean(kl.detach(), loss_mask))
-        loss = loss + cfg.kl_coef * aggregate(kl, loss_mask, normalizer, cfg.loss_agg, seq_id)
+        loss = loss + cfg.kl_coef * aggregate(kl, loss_mask, normalizer, cfg.loss_agg, seq_id,
+                                              cfg.loss_agg_horizon)
     stats["actor/loss"] = float(loss.detach())
     return loss, stats
 
