@@ -97,6 +97,29 @@ def test_constant_normaliser_by_hand_and_split_into_micro_batches():
         aggregate(loss, mask, n, "seq_mean_token_sum_norm")
 
 
+def test_dppo_trust_region_by_hand():
+    from asyncrl.train.corrections import dppo_token_loss
+
+    prox = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    lp = torch.log(torch.tensor([0.8, 0.55, 0.1, 0.45])).requires_grad_(True)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    ratio = (lp - prox).exp()
+    loss, out = dppo_token_loss(lp, prox, ratio, adv, 0.2, 0.2, "tv")
+    # TV: 0.8 grew by 0.3 > 0.2 (A > 0): out; 0.55 in; 0.1 shrank by 0.4 (A < 0): out; 0.45 in
+    assert out.tolist() == [True, False, True, False]
+    assert loss.detach().tolist() == pytest.approx(
+        [0.0, -1.1 * math.log(0.55), 0.0, 0.9 * math.log(0.45)])
+    loss.sum().backward()  # the weight is a constant: d/dlp = -sg(r) * A on the kept tokens
+    assert lp.grad.tolist() == pytest.approx([0.0, -1.1, 0.0, 0.9])
+    capped, _ = dppo_token_loss(lp.detach(), prox, ratio.detach(), adv, 0.2, 0.2, "tv", 1.05)
+    assert float(capped[1]) == pytest.approx(-1.05 * math.log(0.55))
+    # binary KL(Bern(0.5) || Bern(0.8)) = 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.2231 > 0.2: out
+    _, out_kl = dppo_token_loss(lp.detach(), prox, ratio.detach(), adv, 0.2, 0.2, "kl")
+    assert out_kl.tolist() == [True, False, True, False]
+    _, loose = dppo_token_loss(lp.detach(), prox, ratio.detach(), adv, 0.6, 0.3, "kl")
+    assert loose.tolist() == [False, False, False, False]  # KL(0.5 || 0.1) = 0.511 < 0.6
+
+
 def test_sequence_level_weight_is_the_geometric_mean_packed_and_padded():
     # two sequences: log w (0.2, 0.4) and (-0.6,); the third token is padding / prompt
     log_w = torch.tensor([0.2, 0.4, 9.0, -0.6])
@@ -239,6 +262,8 @@ def test_bad_combinations_are_refused_when_the_config_loads():
         PPOLossConfig(loss_agg="seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match="loss_agg_horizon"):
         PPOLossConfig(loss_agg_horizon=8)
+    with pytest.raises(ValueError, match="dppo_tv"):
+        PPOLossConfig(policy_objective="dppo_tv", ratio_level="sequence")
     with pytest.raises(ValueError, match="cispo"):
         PPOLossConfig(policy_objective="cispo", ratio_level="sequence")
     from asyncrl.config import ConfigError
@@ -269,6 +294,8 @@ OPTIONS = {
     "reinforce_pp": {"actor.advantage.estimator": "reinforce_pp"},
     "reinforce_pp_baseline": {"actor.advantage.estimator": "reinforce_pp_baseline"},
     "gspo_token": {"actor.ppo.ratio_level": "sequence_token"},
+    "dppo_tv": {"actor.ppo.policy_objective": "dppo_tv", "actor.ppo.c_clip": 20.0},
+    "dppo_kl": {"actor.ppo.policy_objective": "dppo_kl", "actor.ppo.eps_clip": 0.05},
     "drgrpo_constant_norm": {"actor.advantage.estimator": "drgrpo",
                              "actor.ppo.loss_agg": "seq_mean_token_sum_norm",
                              "actor.ppo.loss_agg_horizon": 6},

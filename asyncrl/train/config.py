@@ -152,8 +152,10 @@ class PPOLossConfig(Config):
     behav_imp_weight_level: Literal["token", "sequence", "sequence_product"] | None = None
     # sequence: GSPO; sequence_token: GSPO-token (the sequence ratio's value, per-token gradient)
     ratio_level: Literal["token", "sequence", "sequence_token"] = "token"
-    # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE (corrections.py)
-    policy_objective: Literal["ppo", "cispo"] = "ppo"
+    # ppo: the clipped surrogate; cispo: clipped IS weight on REINFORCE; dppo_tv / dppo_kl:
+    # Divergence PPO, a trust region on each token's probability (eps_clip / eps_clip_higher
+    # are its thresholds, c_clip caps the weight; corrections.py)
+    policy_objective: Literal["ppo", "cispo", "dppo_tv", "dppo_kl"] = "ppo"
     loss_agg: LossAgg = "token_mean"  # how token losses become one number (see aggregation.py)
     # seq_mean_token_sum_norm's constant: token sums / (sequences x this), Dr.GRPO's batch x max
     # length and verl's seq-mean-token-sum-norm (typically gconfig.max_new_tokens)
@@ -187,6 +189,9 @@ class PPOLossConfig(Config):
             raise ValueError("loss_agg='seq_mean_token_sum_norm' and loss_agg_horizon go together "
                              "(the constant, e.g. gconfig.max_new_tokens); got loss_agg="
                              f"{self.loss_agg!r}, loss_agg_horizon={self.loss_agg_horizon}")
+        if self.policy_objective.startswith("dppo") and self.ratio_level != "token":
+            raise ValueError(f"policy_objective={self.policy_objective!r} bounds each token's "
+                             "probability: it takes ratio_level='token'")
         if self.policy_objective == "cispo" and (self.ratio_level != "token" or self.c_clip):
             raise ValueError("policy_objective='cispo' clips a per-token weight: it takes "
                              "ratio_level='token' and no c_clip")

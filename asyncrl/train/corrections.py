@@ -23,6 +23,12 @@ truncation), mask and icepop drop the token.
 `ratio_level: sequence_token` is GSPO-token: each token's ratio has the value of its sequence's
 (geometric-mean) ratio and the gradient of its own logprob, so per-token advantages apply.
 
+DPPO (`policy_objective: dppo_tv | dppo_kl`, Stable-RL's Divergence PPO, prime-rl's default) replaces
+the ratio clip by a trust region on the token's probability itself: a token whose update would
+move pi_theta(y) away from pi_prox(y) by more than a threshold in the direction its advantage
+pushes (total variation |p - p_prox|, or the binary KL between Bernoulli(p_prox) and
+Bernoulli(p)) drops out; the others get -sg(min(r, c_clip)) * A * log pi_theta.
+
 CISPO (`policy_objective: cispo`) is a different objective rather than a bound on w: it clips the
 importance ratio r = pi_theta / pi_prox as a stop-gradient weight on the REINFORCE term,
 -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta, so no token loses its gradient.
@@ -92,6 +98,31 @@ def bound_weights(w: torch.Tensor, mask: torch.Tensor, mode: str, cap: float | N
     if mode == "icepop":
         return icepop(w, mask, cap, floor if floor is not None else 1.0 / cap)
     raise ValueError(f"behav_imp_weight_mode={mode!r} is not allowed; choose cap, mask, icepop")
+
+
+def dppo_token_loss(logprobs: torch.Tensor, proximal: torch.Tensor, ratio: torch.Tensor,
+                    advantages: torch.Tensor, low: float, high: float, divergence: str,
+                    ratio_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPPO per-token loss -sg(min(r, ratio_cap)) * A * logprobs on the tokens inside the trust
+    region, 0 elsewhere, and the positions outside it. `divergence`: "tv" measures p - p_prox,
+    "kl" the binary KL(Bernoulli(p_prox) || Bernoulli(p)); a positive-advantage token is out when
+    it grew by more than `high`, a negative one when it shrank by more than `low`."""
+    p, p_prox = logprobs.detach().exp(), proximal.detach().exp()
+    if divergence == "tv":
+        grew, shrank = p - p_prox > high, p_prox - p > low
+    elif divergence == "kl":
+        tiny = 1e-8
+        kl = p_prox * (proximal - logprobs.detach()) + (1 - p_prox) * torch.log(
+            (1 - p_prox + tiny) / (1 - p + tiny))
+        grew, shrank = (kl > high) & (p > p_prox), (kl > low) & (p < p_prox)
+    else:
+        raise ValueError(f"divergence={divergence!r} is not allowed; choose tv or kl")
+    outside = torch.where(advantages > 0, grew, shrank)
+    weight = ratio.detach()
+    if ratio_cap is not None:
+        weight = weight.clamp(max=ratio_cap)
+    loss = -weight * advantages * logprobs
+    return torch.where(outside, torch.zeros_like(loss), loss), outside
 
 
 def cispo_token_loss(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,

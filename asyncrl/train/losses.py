@@ -27,7 +27,8 @@ import torch
 from asyncrl.api.loss import LossInputs
 from asyncrl.api.validation import check_range
 from asyncrl.train.aggregation import aggregate, masked_mean, normalizer_unit
-from asyncrl.train.corrections import bound_weights, cispo_token_loss, log_weights
+from asyncrl.train.corrections import (bound_weights, cispo_token_loss, dppo_token_loss,
+                                       log_weights)
 from asyncrl.train.regularizers import kl_penalty
 
 if TYPE_CHECKING:
@@ -112,6 +113,10 @@ def ppo_actor_loss(
     ratio = torch.exp(log_weights(logprobs - proximal, mask, cfg.ratio_level, seq_id))
     if cfg.policy_objective == "cispo":
         pg, clip_mask = cispo_token_loss(logprobs, ratio, adv, cfg.eps_clip, cfg.clip_high)
+        dual_mask = _zeros_bool(pg)
+    elif cfg.policy_objective in ("dppo_tv", "dppo_kl"):
+        pg, clip_mask = dppo_token_loss(logprobs, proximal, ratio, adv, cfg.eps_clip,
+                                        cfg.clip_high, cfg.policy_objective[5:], cfg.c_clip)
         dual_mask = _zeros_bool(pg)
     else:
         pg, clip_mask, dual_mask = _clipped_surrogate(ratio, adv, cfg)
