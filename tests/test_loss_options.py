@@ -120,6 +120,35 @@ def test_dppo_trust_region_by_hand():
     assert loose.tolist() == [False, False, False, False]  # KL(0.5 || 0.1) = 0.511 < 0.6
 
 
+def test_icepop_renormalize_takes_dropped_tokens_out_of_the_loss_mask():
+    """verl's IcePop: a token the two-sided bound drops leaves the normaliser too (it is taken
+    out of the sample's loss mask before the step)."""
+    import types
+
+    from asyncrl.api.trajectory import Sample
+    from asyncrl.train.config import PPOActorConfig
+
+    cfg = PPOActorConfig.model_validate({"ppo": {
+        "behav_imp_weight_cap": 2.0, "behav_imp_weight_mode": "icepop",
+        "behav_imp_weight_renormalize": True}})
+    behaviour = [0.0, -1.0, -1.0, -1.0, -1.0]
+    # w = exp(prox - behav): 1 (prompt), e^1.0 = 2.72 > 2 (drop), 1.0, e^-1 = 0.37 < 0.5 (drop), 1.1
+    prox = torch.tensor([0.0, 0.0, -1.0, -2.0, -1.0 + math.log(1.1)])
+    smp = Sample(input_ids=[1, 2, 3, 4, 5], loss_mask=[0, 1, 1, 1, 1], logprobs=behaviour,
+                 versions=[-1, 0, 0, 0, 0], reward=1.0)
+    stats = {}
+    (out,) = PPOActor._drop_bounded_tokens(types.SimpleNamespace(cfg=cfg), [smp],
+                                           {"proximal_logprobs": [prox]}, stats)
+    assert out.loss_mask == [0, 0, 1, 0, 1] and stats["ppo/renormalized_dropped_tokens"] == 2.0
+    with pytest.raises(ValueError, match="recompute"):
+        PPOActorConfig.model_validate({"ppo": {"behav_imp_weight_cap": 2.0,
+                                               "behav_imp_weight_mode": "mask",
+                                               "behav_imp_weight_renormalize": True},
+                                       "proximal": {"proximal_logprobs": "loglinear"}})
+    with pytest.raises(ValueError, match="mask or icepop"):
+        PPOLossConfig(behav_imp_weight_cap=2.0, behav_imp_weight_renormalize=True)
+
+
 def test_sequence_level_weight_is_the_geometric_mean_packed_and_padded():
     # two sequences: log w (0.2, 0.4) and (-0.6,); the third token is padding / prompt
     log_w = torch.tensor([0.2, 0.4, 9.0, -0.6])
@@ -294,6 +323,10 @@ OPTIONS = {
     "reinforce_pp": {"actor.advantage.estimator": "reinforce_pp"},
     "reinforce_pp_baseline": {"actor.advantage.estimator": "reinforce_pp_baseline"},
     "gspo_token": {"actor.ppo.ratio_level": "sequence_token"},
+    "icepop_renormalize": {"actor.proximal.proximal_logprobs": "recompute",
+                           "actor.ppo.behav_imp_weight_cap": 1.5,
+                           "actor.ppo.behav_imp_weight_mode": "icepop",
+                           "actor.ppo.behav_imp_weight_renormalize": True},
     "dppo_tv": {"actor.ppo.policy_objective": "dppo_tv", "actor.ppo.c_clip": 20.0},
     "dppo_kl": {"actor.ppo.policy_objective": "dppo_kl", "actor.ppo.eps_clip": 0.05},
     "drgrpo_constant_norm": {"actor.advantage.estimator": "drgrpo",

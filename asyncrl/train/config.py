@@ -147,6 +147,10 @@ class PPOLossConfig(Config):
     # the lower bound: cap raises weights below it to it, mask / icepop drop them (icepop's
     # default 1 / cap; None: no lower bound)
     behav_imp_weight_floor: float | None = pydantic.Field(None, gt=0.0, lt=1.0)
+    # mask / icepop: the dropped tokens leave the step's normaliser too, so the kept ones keep
+    # their weight (verl's IcePop); false: they count in it and the step shrinks. Needs
+    # proximal_logprobs: recompute (the weights are known before the step).
+    behav_imp_weight_renormalize: bool = False
     # token: one weight per token; sequence: per sequence (geometric mean); sequence_product:
     # per sequence, the product of token weights (verl, TRL); None: ratio_level's
     behav_imp_weight_level: Literal["token", "sequence", "sequence_product"] | None = None
@@ -185,6 +189,10 @@ class PPOLossConfig(Config):
         if self.behav_imp_weight_floor is not None and self.behav_imp_weight_cap is None:
             raise ValueError(f"behav_imp_weight_floor={self.behav_imp_weight_floor} needs "
                              "behav_imp_weight_cap (the upper bound)")
+        if self.behav_imp_weight_renormalize and (
+                self.behav_imp_weight_mode == "cap" or self.behav_imp_weight_cap is None):
+            raise ValueError("behav_imp_weight_renormalize drops the tokens a bound removes: it "
+                             "needs behav_imp_weight_cap and behav_imp_weight_mode mask or icepop")
         if (self.loss_agg == "seq_mean_token_sum_norm") != (self.loss_agg_horizon is not None):
             raise ValueError("loss_agg='seq_mean_token_sum_norm' and loss_agg_horizon go together "
                              "(the constant, e.g. gconfig.max_new_tokens); got loss_agg="
@@ -310,6 +318,14 @@ class PPOActorConfig(Config):
     # (package.module:Loss, or {path: ..., kwargs: {...}}); a registered kind of LOSSES
     loss: LossConfig = pydantic.Field(
         "ppo", description="ppo | package.module:Loss | {path: ..., kwargs: {...}}")
+
+    @pydantic.model_validator(mode="after")
+    def _renormalize_needs_recompute(self) -> PPOActorConfig:
+        if self.ppo.behav_imp_weight_renormalize and not self.proximal.needs_forward_pass:
+            raise ValueError("ppo.behav_imp_weight_renormalize needs proximal.proximal_logprobs="
+                             "'recompute' (the weights must be known before the step); got "
+                             f"{self.proximal.proximal_logprobs!r}")
+        return self
 
 
 class SFTConfig(Config):

@@ -73,7 +73,7 @@ def _clipped_surrogate(
     return torch.where(dual_mask, pg3, pg), clip_mask, dual_mask
 
 
-def _behaviour_weight(
+def behaviour_weight(
     proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: PPOLossConfig,
     seq_id: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +120,7 @@ def ppo_actor_loss(
         dual_mask = _zeros_bool(pg)
     else:
         pg, clip_mask, dual_mask = _clipped_surrogate(ratio, adv, cfg)
-    weight, over_cap = _behaviour_weight(proximal, behaviour_logprobs.detach(), mask, cfg, seq_id)
+    weight, over_cap = behaviour_weight(proximal, behaviour_logprobs.detach(), mask, cfg, seq_id)
     pg = pg * weight
     loss = aggregate(pg, mask, normalizer, cfg.loss_agg, seq_id, cfg.loss_agg_horizon)
     dropped = cfg.behav_imp_weight_mode in ("mask", "icepop")

@@ -12,6 +12,7 @@ loss (`losses.PPOLoss`) or a user's, which receives the same typed `LossInputs`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,7 @@ from asyncrl.api.loss import LossInputs, PolicyLoss
 from asyncrl.api.trajectory import Sample, Trajectory
 from asyncrl.train.advantages import AdvantageInputs, compute_advantages
 from asyncrl.train.critic import critic_token_loss
+from asyncrl.train.losses import behaviour_weight
 from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.mismatch import MismatchMonitor
@@ -127,6 +129,24 @@ class PPOActor:
             result.stats["actor/kl_reward_mean"] = float(-token_rewards.sum() / mask.sum().clamp(min=1))
         return data, result.stats
 
+    def _drop_bounded_tokens(self, samples: Sequence[Sample], data: dict[str, list[torch.Tensor]],
+                             stats: dict[str, float]) -> list[Sample]:
+        """The samples with the tokens the mask / icepop bound drops taken out of their loss
+        mask, so they leave the step's normaliser as well as its loss."""
+        out, dropped_total = [], 0
+        for s, prox in zip(samples, data["proximal_logprobs"]):
+            mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+            behaviour = torch.tensor(s.logprobs, dtype=prox.dtype)
+            if prox.shape != mask.shape:
+                raise ValueError(f"proximal logprobs of shape {tuple(prox.shape)} for a sample "
+                                 f"of {mask.numel()} tokens")
+            _, dropped = behaviour_weight(prox.cpu(), behaviour, mask, self.cfg.ppo)
+            dropped_total += int(dropped.sum())
+            kept = (mask & ~dropped).int().tolist()
+            out.append(dataclasses.replace(s, loss_mask=kept) if dropped.any() else s)
+        stats["ppo/renormalized_dropped_tokens"] = float(dropped_total)
+        return out
+
     def loss_inputs(self, logprobs: torch.Tensor, mb: PackedMicroBatch) -> LossInputs:
         """The typed per-token inputs of one micro-batch, proximal logprobs resolved."""
         behaviour, t = mb.behaviour_logprobs, mb.tensors
@@ -152,6 +172,8 @@ class PPOActor:
         if not samples:
             raise ValueError("train_step got trajectories with no samples")
         data, stats = self.token_data(samples, groups)
+        if self.cfg.ppo.behav_imp_weight_renormalize:
+            samples = self._drop_bounded_tokens(samples, data, stats)
         self._batch_version = self.engine.version.value
         per_mb: list[dict[str, float]] = []
         for k, part in enumerate(minibatches(groups, self.cfg.ppo_n_minibatches)):
