@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from asyncrl.config import ConfigError
 from asyncrl.data.arithmetic import ArithmeticTaskConfig
+from asyncrl.data.chain import ChainTaskConfig
 from asyncrl.data.counting import CountingTaskConfig
 from asyncrl.data.files import FileDatasetConfig
 from asyncrl.data.gsm8k import GSM8KConfig
@@ -30,7 +31,7 @@ class TaskDataset(Protocol):
 
 
 DATASETS: Registry = Registry("dataset", default_kind="arithmetic")
-for _cls in (ArithmeticTaskConfig, CountingTaskConfig, GSM8KConfig, FileDatasetConfig,
+for _cls in (ArithmeticTaskConfig, ChainTaskConfig, CountingTaskConfig, GSM8KConfig, FileDatasetConfig,
              HFDatasetConfig):
     DATASETS.register(_cls)
 
