@@ -31,9 +31,9 @@ class ChainTaskConfig(Config):
     max_terms: int = pydantic.Field(12, ge=2)  # and in the longest
     # the chance of each further term: P(k terms) falls geometrically from min_terms
     tail: float = pydantic.Field(0.6, ge=0.0, lt=1.0)
-    num_train: int = pydantic.Field(9000, ge=0)
+    num_train: int = pydantic.Field(9000, ge=0)  # training problems
     num_eval: int = pydantic.Field(500, ge=0)  # held-out problems, never trained on
-    seed: int = 0
+    seed: int = 0  # the problems drawn (train and eval)
     prompt_template: str = "{expr}="  # the user message; {expr} is the expression
 
     @pydantic.field_validator("prompt_template")

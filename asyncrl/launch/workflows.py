@@ -143,11 +143,14 @@ class CommandWorkflowConfig(Config):
     argv: list[str] = pydantic.Field(min_length=1, description="the program and its arguments")
     env: dict[str, str] = {}  # more environment variables
     cwd: str | None = None  # working directory (None: the job's)
+    # stdout: its last line; reward_fn: the run's reward on the session's last reply
     reward: Literal["stdout", "reward_fn"] = "stdout"
     max_output_bytes: int = pydantic.Field(1 << 20, ge=1)  # stdout or stderr; more: rejected
     limits: CommandLimits = CommandLimits()  # rlimits of the program and its children
     timeout_s: float = pydantic.Field(300.0, gt=0)  # one episode; longer: killed, rejected
+    # an earlier completion's return is its reward plus this times the next one's return
     turn_discount: float = pydantic.Field(1.0, ge=0.0, le=1.0)
+    # individual: one trajectory per completion; concat: one per episode
     export_style: Literal["individual", "concat"] = "individual"
     proxy: ProxyConfig = ProxyConfig()
 
@@ -173,8 +176,8 @@ class AgentEnvWorkflowConfig(AgentEnvConfig):
     kind: Literal["agent_env"] = "agent_env"
     agent: str = pydantic.Field(description="package.module:AgentClass")
     env: str = pydantic.Field(description="package.module:EnvClass")
-    agent_kwargs: dict[str, Any] = {}
-    env_kwargs: dict[str, Any] = {}
+    agent_kwargs: dict[str, Any] = {}  # keyword arguments of the agent class
+    env_kwargs: dict[str, Any] = {}  # keyword arguments of the env class
 
     def build(self, ctx: WorkflowContext) -> RolloutWorkflow:
         from asyncrl.rollout.agent_env import AgentEnvWorkflow, per_episode

@@ -41,9 +41,9 @@ READ_CHUNK = 1 << 16
 class CommandLimits(Config):
     """rlimits of the program and its children (None: unlimited)."""
 
-    cpu_seconds: int | None = pydantic.Field(None, ge=1)
+    cpu_seconds: int | None = pydantic.Field(None, ge=1)  # CPU time of each process
     memory_bytes: int | None = pydantic.Field(None, ge=64 << 20)  # address space
-    max_file_bytes: int | None = pydantic.Field(None, ge=0)
+    max_file_bytes: int | None = pydantic.Field(None, ge=0)  # largest file it may write
     max_processes: int | None = pydantic.Field(None, ge=1)  # counts all of the user's processes
 
     def rlimits(self) -> dict[str, int]:

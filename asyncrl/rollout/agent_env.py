@@ -61,7 +61,8 @@ class SyncEnv:
 
 
 class AgentEnvConfig(Config):
-    max_steps: int = pydantic.Field(4, ge=1)
+    max_steps: int = pydantic.Field(4, ge=1)  # agent steps per episode, at most
+    # each step's sample is rewarded with r_t + discount * G_(t+1)
     discount: float = pydantic.Field(1.0, ge=0.0, le=1.0)
 
 

@@ -216,7 +216,7 @@ class AdvantageConfig(Config):
     # after the estimator: (A - mean) / sqrt(var + whiten_eps) over every loss token of the step
     # (token-level whitening: verl's masked_whiten for GAE and REINFORCE++, AReaL's adv_norm)
     whiten: bool = False
-    whiten_eps: float = pydantic.Field(1e-8, gt=0.0)
+    whiten_eps: float = pydantic.Field(1e-8, gt=0.0)  # added to the variance under the sqrt
     gamma: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
     lam: float = pydantic.Field(1.0, ge=0.0, le=1.0)  # GAE only
     # rewards become clip((r - reward_bias) * reward_scale, -reward_clip, reward_clip)
