@@ -63,7 +63,16 @@ def test_failures_are_named_and_nothing_is_left_running(tmp_path, body, kind):
     with pytest.raises(CommandAgentError) as err:
         run(CommandAgent(argv, max_output_bytes=1 << 20))
     assert err.value.kind == kind, err.value
-    assert not _running(marker)
+    _gone(marker)
+
+
+def _gone(marker: str) -> None:
+    """Wait until no process of `marker` is left (SIGKILL lands at once; the kernel tears the
+    process down asynchronously)."""
+    deadline = time.monotonic() + 30
+    while _running(marker):
+        assert time.monotonic() < deadline, f"a process of {marker} outlived its agent"
+        time.sleep(0.1)
 
 
 def test_a_hanging_program_is_killed_with_its_children_on_timeout(tmp_path):
@@ -74,10 +83,7 @@ def test_a_hanging_program_is_killed_with_its_children_on_timeout(tmp_path):
                   "time.sleep(60)\n")
     with pytest.raises((TimeoutError, asyncio.TimeoutError)):
         run(CommandAgent(argv), timeout=3)
-    deadline = time.monotonic() + 30
-    while _running(marker):  # SIGKILL lands at once; the kernel reaps asynchronously
-        assert time.monotonic() < deadline, "the program's group outlived the timeout"
-        time.sleep(0.1)
+    _gone(marker)
 
 
 def test_limits_are_set_in_the_program(tmp_path):

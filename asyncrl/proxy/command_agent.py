@@ -144,6 +144,7 @@ class CommandAgent:
         finally:
             for task in (readers, exited):
                 task.cancel()
+                task.add_done_callback(_retrieve)
         if stray:
             raise CommandAgentError("left_children", f"{self.name} exited and left processes "
                                     "running in its group (killed)")
@@ -163,6 +164,13 @@ class CommandAgent:
         raise CommandAgentError("no_reward", f"{self.name}'s last stdout line is {last!r}; "
                                 "allowed: a number, or a JSON object of completion id -> "
                                 "reward (or set reward: reward_fn)")
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a cancelled helper's outcome as seen (a cancelled gather keeps CancelledError as its
+    exception, which asyncio would otherwise log as never retrieved)."""
+    with contextlib.suppress(asyncio.CancelledError):
+        future.exception()
 
 
 def _group_alive(pgid: int) -> bool:
