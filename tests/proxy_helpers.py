@@ -68,3 +68,23 @@ class ScriptedEngine:
 
     async def update_weights(self, meta) -> None:
         self.version = meta.version
+
+
+@contextlib.contextmanager
+def real_engine_proxy(model_dir, tokenizer) -> Iterator[tuple[ProxyServer, dict]]:
+    """The built-in engine on the tiny model behind a proxy, and one open session
+    ({"session_id", "api_key", "base_url"}); both are stopped afterwards."""
+    import httpx
+
+    from asyncrl.inference.async_engine import AsyncLLMEngine
+    from asyncrl.inference.engine import EngineConfig
+
+    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=256))
+    try:
+        cfg = ProxyConfig(admin_key="admin-secret", max_tokens_cap=32)
+        with serving(engine, tokenizer, cfg, context_length=256) as (proxy, _):
+            s = httpx.post(f"{proxy.url}/sessions",
+                           headers={"Authorization": "Bearer admin-secret"}).json()
+            yield proxy, s
+    finally:
+        engine.shutdown()

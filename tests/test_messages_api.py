@@ -22,12 +22,9 @@ except ImportError as err:
     pytest.skip("the anthropic SDK is an optional extra: pip install -e '.[agents]'",
                 allow_module_level=True)
 
-from asyncrl.inference.async_engine import AsyncLLMEngine  # noqa: E402
-from asyncrl.inference.engine import EngineConfig  # noqa: E402
 from asyncrl.models.chat import encode_chat_prompt  # noqa: E402
 from asyncrl.models.loading import load_tokenizer  # noqa: E402
-from asyncrl.proxy.config import ProxyConfig  # noqa: E402
-from tests.proxy_helpers import ScriptedEngine, serving  # noqa: E402
+from tests.proxy_helpers import ScriptedEngine, real_engine_proxy, serving  # noqa: E402
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call>'
@@ -174,17 +171,11 @@ def test_stop_sequences_auth_headers_and_errors_in_anthropics_shape(tokenizer):
 
 
 def test_recorded_exactly_on_the_real_engine(model_dir, tokenizer, one_thread):
-    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=256))
-    try:
-        cfg = ProxyConfig(admin_key="admin-secret", max_tokens_cap=32)
-        with serving(engine, tokenizer, cfg, context_length=256) as (proxy, _):
-            s = session(proxy)
-            msg = client(proxy, s["api_key"]).messages.create(
-                model="default", max_tokens=12, messages=USER)
-            stored = httpx.get(f"{proxy.base_url}/chat/completions/{msg.id}",
-                               headers={"Authorization": f"Bearer {s['api_key']}"}).json()
-    finally:
-        engine.shutdown()
+    with real_engine_proxy(model_dir, tokenizer) as (proxy, s):
+        msg = client(proxy, s["api_key"]).messages.create(
+            model="default", max_tokens=12, messages=USER)
+        stored = httpx.get(f"{proxy.base_url}/chat/completions/{msg.id}",
+                           headers={"Authorization": f"Bearer {s['api_key']}"}).json()
     assert stored["id"] == msg.id and len(stored["output_ids"]) == msg.usage.output_tokens
     assert stored["prompt_ids"] == encode_chat_prompt(tokenizer, USER)
     assert len(stored["logprobs"]) == len(stored["versions"]) == len(stored["output_ids"])

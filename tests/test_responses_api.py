@@ -14,12 +14,9 @@ import httpx
 import openai
 import pytest
 
-from asyncrl.inference.async_engine import AsyncLLMEngine
-from asyncrl.inference.engine import EngineConfig
 from asyncrl.models.chat import encode_chat_prompt
 from asyncrl.models.loading import load_tokenizer
-from asyncrl.proxy.config import ProxyConfig
-from tests.proxy_helpers import ScriptedEngine, serving
+from tests.proxy_helpers import ScriptedEngine, real_engine_proxy, serving
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call>'
@@ -122,18 +119,12 @@ def test_streaming_events_and_refused_fields(tokenizer):
 
 
 def test_recorded_exactly_on_the_real_engine(model_dir, tokenizer, one_thread):
-    engine = AsyncLLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=256))
-    try:
-        cfg = ProxyConfig(admin_key="admin-secret", max_tokens_cap=32)
-        with serving(engine, tokenizer, cfg, context_length=256) as (proxy, _):
-            s = session(proxy)
-            resp = client(proxy, s["api_key"]).responses.create(
-                model="default", input=[{"role": "user", "content": [
-                    {"type": "input_text", "text": "2+3="}]}], max_output_tokens=12)
-            stored = httpx.get(f"{proxy.base_url}/chat/completions/{resp.id}",
-                               headers={"Authorization": f"Bearer {s['api_key']}"}).json()
-    finally:
-        engine.shutdown()
+    with real_engine_proxy(model_dir, tokenizer) as (proxy, s):
+        resp = client(proxy, s["api_key"]).responses.create(
+            model="default", input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "2+3="}]}], max_output_tokens=12)
+        stored = httpx.get(f"{proxy.base_url}/chat/completions/{resp.id}",
+                           headers={"Authorization": f"Bearer {s['api_key']}"}).json()
     assert stored["prompt_ids"] == encode_chat_prompt(tokenizer, [{"role": "user",
                                                                    "content": "2+3="}])
     assert len(stored["output_ids"]) == resp.usage.output_tokens == len(stored["logprobs"])
