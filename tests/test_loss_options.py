@@ -339,6 +339,8 @@ OPTIONS = {
     "grpo_whiten_raw_singletons": {"actor.advantage.whiten": True,
                                    "actor.advantage.singleton_group": "raw",
                                    "actor.advantage.std_eps": 1e-4},
+    "grpo_raw_singletons_n1": {"actor.advantage.singleton_group": "raw",
+                               "gconfig.n_samples": 1},
     "gae_whiten": {"actor.advantage.estimator": "gae", "actor.advantage.whiten": True},
     "dual_clip_clip_higher": {"actor.ppo.c_clip": 3.0, "actor.ppo.eps_clip_higher": 0.28},
     "overlong_truncated": {"actor.advantage.overlong_buffer_len": 2,
