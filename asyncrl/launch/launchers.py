@@ -14,7 +14,8 @@ rollout servers of mode local where its placement puts them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -48,9 +49,28 @@ class Launcher(Protocol):
                 startup_timeout_s: float) -> contextlib.AbstractContextManager[ServerFleet]: ...
 
 
+def pin_process(cpus: Sequence[int]) -> None:
+    """Run every thread of this process (and what it starts later) on `cpus` only. Linux sets
+    affinity per thread, so each thread that exists already (e.g. torch's pool) is moved too."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
 class LocalLauncher:
+    def __init__(self, trainer_cpus: Sequence[int] | None = None,
+                 server_cpus: Sequence[int] | None = None) -> None:
+        self.trainer_cpus, self.server_cpus = trainer_cpus, server_cpus
+
     def run(self, job: TrainJob, entry: Callable[[TrainJob], TrainResult]) -> TrainResult:
-        return entry(job)  # under torchrun, every rank's process gets here
+        if self.trainer_cpus:  # under torchrun, every rank's process gets here
+            from asyncrl.errors import UserError
+
+            if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+                raise UserError("launcher.trainer_cpus pins one trainer process; under torchrun "
+                                "pin the ranks with taskset/numactl instead")
+            pin_process(self.trainer_cpus)
+        return entry(job)
 
     @contextlib.contextmanager
     def servers(self, make: MakeCommand, count: int, log_dir: Path,
@@ -58,16 +78,35 @@ class LocalLauncher:
         from asyncrl.launch.local_servers import LocalServers
 
         with LocalServers(lambda key: make(key, "127.0.0.1"), count, log_dir,
-                          startup_timeout_s) as servers:
+                          startup_timeout_s, cpus=self.server_cpus) as servers:
             yield servers
 
 
 class LocalLauncherConfig(Config):
-    """This machine: one process, or the ranks `torchrun` started (FSDP2)."""
+    """This machine: one process, or the ranks `torchrun` started (FSDP2).
+
+    `trainer_cpus` / `server_cpus` place the trainer process and the servers of
+    `inference.mode: local` on CPU ids of their own (Linux affinity), as generation and training
+    would sit on separate GPUs: e.g. `{trainer_cpus: [1], server_cpus: [0]}` on 2 cores. The
+    trainer's torch threads default to its CPU count."""
 
     kind: Literal["local"] = "local"  # the launcher (LAUNCHERS: local | ray)
+    trainer_cpus: list[int] | None = None  # None: wherever the OS puts it
+    server_cpus: list[int] | None = None  # every local server on these; None: the OS decides
+
+    @pydantic.field_validator("trainer_cpus", "server_cpus")
+    @classmethod
+    def _cpus_here(cls, cpus: list[int] | None, info: pydantic.ValidationInfo) -> list[int] | None:
+        if cpus is None:
+            return None
+        allowed = sorted(os.sched_getaffinity(0))
+        if not cpus or len(set(cpus)) != len(cpus) or not set(cpus) <= set(allowed):
+            raise ValueError(f"launcher.{info.field_name}={cpus} must be distinct CPU ids this "
+                             f"process may use; allowed: {allowed}")
+        return cpus
+
     def build(self) -> Launcher:
-        return LocalLauncher()
+        return LocalLauncher(self.trainer_cpus, self.server_cpus)
 
 
 class RayLauncherConfig(Config):

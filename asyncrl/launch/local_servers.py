@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import secrets
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -67,6 +68,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _in_child(cpus: Sequence[int] | None) -> None:  # between fork and exec
+    _die_with_parent()
+    if cpus:  # before exec: every thread the server starts inherits it
+        os.sched_setaffinity(0, cpus)
+
+
 def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
     """`sig` to the session the server leads (start_new_session: its pgid is its pid)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -81,7 +88,7 @@ class LocalServers:
 
     def __init__(self, make_command: Callable[[str], ServerCommand], count: int,
                  log_dir: str | Path, startup_timeout_s: float = 180.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, cpus: Sequence[int] | None = None) -> None:
         if count < 1:
             raise ValueError(f"count={count} is out of range; allowed [1, inf)")
         self.make_command, self.count = make_command, count
@@ -91,6 +98,7 @@ class LocalServers:
         self.procs: list[subprocess.Popen] = []
         self.commands: list[ServerCommand] = []
         self.urls: list[str] = []
+        self.cpus = cpus  # each server's CPU affinity (None: the OS decides)
 
     def start(self) -> LocalServers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -102,7 +110,8 @@ class LocalServers:
                 log = open(self.log_dir / f"server_{i}.log", "w")  # noqa: SIM115 (child owns it)
                 self.procs.append(subprocess.Popen(
                     cmd.argv, stdout=subprocess.PIPE if cmd.port == 0 else log, stderr=log,
-                    text=True, env=env, start_new_session=True, preexec_fn=_die_with_parent))
+                    text=True, env=env, start_new_session=True,
+                    preexec_fn=functools.partial(_in_child, self.cpus)))
                 self.commands.append(cmd)
                 log.close()
             deadline = time.monotonic() + self.timeout

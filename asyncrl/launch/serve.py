@@ -6,6 +6,7 @@ With port 0 the OS picks a free port; the first stdout line then tells it
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -38,6 +39,8 @@ def serve(cfg: ServerConfig) -> None:
     if cfg.engine.num_threads:  # this process is the engine's alone
         torch.set_num_threads(cfg.engine.num_threads)
     app, engine = build_server_app(cfg)
+    print(f"asyncrl serve: {torch.get_num_threads()} torch threads on CPUs "
+          f"{sorted(os.sched_getaffinity(0))}", file=sys.stderr, flush=True)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.host, cfg.port))

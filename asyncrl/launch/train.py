@@ -131,6 +131,9 @@ def run_rank(job: TrainJob) -> TrainResult:
     torch.manual_seed(cfg.seed)
     try:
         with trainer_threads(cfg):
+            if getattr(cfg.launcher, "trainer_cpus", None):
+                console.print(f"trainer: {torch.get_num_threads()} torch threads on CPUs "
+                              f"{sorted(os.sched_getaffinity(0))}")
             base = resolve_base_model(cfg, console)  # every rank takes part in a warm start
             ckpt = parallel.broadcast_object(latest_checkpoint(job.run_dir)
                                              if job.resume and leader else None)
@@ -187,7 +190,8 @@ def trainer_threads(cfg: TrainRunConfig) -> Iterator[None]:
     that core idle most of the step."""
     before = torch.get_num_threads()
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
-    torch.set_num_threads(cfg.torch_threads or max(1, (os.cpu_count() or 1) // ranks_here))
+    cores = len(os.sched_getaffinity(0))  # what this process may use (taskset, trainer_cpus)
+    torch.set_num_threads(cfg.torch_threads or max(1, cores // ranks_here))
     try:
         yield
     finally:

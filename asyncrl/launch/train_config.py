@@ -186,7 +186,7 @@ class TrainRunConfig(Config):
     checkpoint_shard_size: int | str = DEFAULT_SHARD_SIZE
     output_dir: str | None = None  # None: runs/<UTC timestamp>
     seed: int = 0  # data order, sampling and initialisation
-    torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: all cores")
+    torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: every core this process may use")
     # where the job runs: local (this machine; torchrun for several ranks) or ray (trainer ranks
     # and mode-local servers placed on a Ray cluster, `asyncrl train --ray ADDRESS`)
     launcher: LauncherConfig = pydantic.Field("local", description="local | ray | {kind: ray, ...}")
@@ -209,6 +209,9 @@ class TrainRunConfig(Config):
     def _consistent(self) -> TrainRunConfig:
         self._check_lora()
         self._check_images()
+        if getattr(self.launcher, "server_cpus", None) and self.inference.mode != "local":
+            raise ValueError(f"launcher.server_cpus places the servers of inference.mode='local';"
+                             f" inference.mode={self.inference.mode!r} starts none")
         adv = self.actor.advantage
         if self.gconfig.n_samples < 2 and adv.estimator in (
                 "grpo", "rloo", "drgrpo", "reinforce_pp_baseline") and not (
