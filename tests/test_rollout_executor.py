@@ -259,3 +259,34 @@ def test_resumed_staleness_budget_admits_what_an_uninterrupted_run_would(eta):
     # Without the restore the budget restarts at 0 while the version is 5: far more admitted.
     fresh = StalenessManager(max_concurrent=1000, batch_size=4, eta=eta)
     assert fresh.capacity(5) > resumed.capacity(5)
+
+
+class Gated:
+    """An episode that runs until the test opens its gate (a state, not a delay)."""
+
+    def __init__(self):
+        self.gate, self.started = None, threading.Event()
+
+    async def arun_episode(self, engine, data):
+        self.gate = asyncio.Event()
+        self.started.set()
+        await self.gate.wait()
+        s = Sample.from_prompt_and_completion([1], [7], [-0.5], [0], reward=1.0)
+        return Trajectory(samples=[s])
+
+
+def test_idle_seconds_count_only_the_time_without_a_running_episode():
+    wf = Gated()
+    with WorkflowExecutor(SlowEngine(), RolloutConfig(batch_size=1), wf) as ex:
+        before = ex.idle_seconds
+        assert ex.idle_seconds > before  # nothing runs: idle time grows (ns clock)
+        ex.submit({"id": 0})
+        assert wf.started.wait(10)
+        frozen = ex.idle_seconds
+        assert ex.idle_seconds == frozen  # an episode runs: the engine is not idle
+        ex._loop.call_soon_threadsafe(wf.gate.set)
+        assert len(ex.wait(1, timeout=10)) == 1
+        deadline = time.monotonic() + 10  # the task's done-callback runs just after the result
+        while ex.idle_seconds == frozen and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ex.idle_seconds > frozen  # counting again once it ended

@@ -114,6 +114,8 @@ class TrainLoop:
         self.parts, self.ctx, self.cfg, self.state = parts, ctx, ctx.cfg, ctx.state
         self.watchdog = Watchdog(self.cfg.watchdog)
         self.result = TrainResult(ctx.run_dir)
+        # (when, the executor's idle seconds then): the start of the next step's idle share
+        self._idle_mark = (time.perf_counter(), parts.executor.idle_seconds)
 
     def run(self) -> TrainResult:
         try:
@@ -212,6 +214,7 @@ class TrainLoop:
                                f"the weight push to version {new_version}",
                                "watchdog.sync_timeout_s"))
         t3 = time.perf_counter()
+        idle, self._idle_mark = self._idle_mark, (t3, p.executor.idle_seconds)
         self.state.step += 1
         metrics.update(p.monitor.take())
         for reporter in p.reporters:
@@ -220,6 +223,8 @@ class TrainLoop:
         metrics.update({
             "policy/version": float(new_version),
             "perf/wait_s": t1 - t0, "perf/train_s": t2 - t1, "perf/weight_sync_s": t3 - t2,
+            # share of the time since the previous step in which no rollout ran
+            "perf/rollout_idle_frac": (self._idle_mark[1] - idle[1]) / max(t3 - idle[0], 1e-9),
             "perf/train_tokens_per_s": metrics["batch/tokens"] / max(t2 - t1, 1e-9),
             "rollout/stale_dropped": float(stats["stale_dropped"]),
             "rollout/failed": float(stats["failed"]),

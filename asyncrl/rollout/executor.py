@@ -113,6 +113,9 @@ class WorkflowExecutor:
         self._loop = asyncio.new_event_loop()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._idle_since: float | None = time.monotonic()  # None while an episode runs
+        self._idle_total = 0.0  # seconds with no episode running (the engines had no rollout)
+        self._idle_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncrl-rollout",
                                         daemon=True)
         self._thread.start()
@@ -343,8 +346,26 @@ class WorkflowExecutor:
 
     def _start(self, job: _Job, start_version: int) -> None:
         task = self._loop.create_task(self._run(job, start_version))
+        with self._idle_lock:
+            if self._idle_since is not None:
+                self._idle_total += time.monotonic() - self._idle_since
+                self._idle_since = None
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not self._tasks:
+            with self._idle_lock:
+                self._idle_since = time.monotonic()
+
+    @property
+    def idle_seconds(self) -> float:
+        """Seconds so far in which no episode ran: with one engine, its time without rollouts
+        (a synchronous loop's engine idles while the trainer trains)."""
+        with self._idle_lock:
+            since, total = self._idle_since, self._idle_total
+        return total + (time.monotonic() - since if since is not None else 0.0)
 
     async def _run(self, job: _Job, start_version: int) -> None:
         journal = EpisodeJournal()
