@@ -2,6 +2,7 @@
 `openai` SDK, raw httpx for token-level and malformed requests."""
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -67,6 +68,24 @@ def test_generate_is_token_exact(server, reference):
     assert out["output_tokens"] == greedy_alone(reference, ids, 12)
     assert len(out["output_logprobs"]) == len(out["output_tokens"]) == len(out["output_versions"])
     assert set(out["output_versions"]) == {0} and out["stop_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("interval", [1, 5])
+def test_streamed_generate_sends_an_event_per_interval_and_the_rest_last(server, interval):
+    body = {"input_ids": [10, 20, 30], "max_new_tokens": 12, "min_new_tokens": 12,
+            "greedy": True}
+    whole = post(server, "/generate", json=body).json()
+    with httpx.stream("POST", server + "/generate", timeout=60,
+                      json={**body, "stream": True, "stream_interval": interval}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    *deltas, last = events
+    assert all(len(e["output_tokens"]) >= interval for e in deltas) and last["stop_reason"]
+    assert len(deltas) >= (12 // interval) - 1  # the finishing step's tokens come last
+    got = [t for e in events for t in e["output_tokens"]]
+    assert got == whole["output_tokens"]
+    assert [x for e in events for x in e["output_logprobs"]] == \
+        pytest.approx(whole["output_logprobs"], abs=1e-5)
 
 
 def test_openai_sdk_completions_and_chat(server, tokenizer):

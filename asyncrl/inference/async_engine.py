@@ -60,6 +60,7 @@ class _Waiter:
     future: asyncio.Future | None = None  # agenerate: resolved once
     queue: asyncio.Queue | None = None  # agenerate_stream: deltas, then the response or an error
     sent: int = 0  # tokens already streamed
+    interval: int = 1  # agenerate_stream: a delta once this many tokens are new
     done: bool = field(default=False)
 
 
@@ -101,14 +102,15 @@ class AsyncLLMEngine:
             return await waiter.future
 
     async def agenerate_stream(
-        self, req: ModelRequest
+        self, req: ModelRequest, interval: int = 1
     ) -> AsyncIterator[TokenDelta | ModelResponse]:
-        """Yield a `TokenDelta` after each step that produced tokens, then the final response.
+        """Yield a `TokenDelta` once `interval` new tokens were sampled, then the final response.
 
-        The response holds the whole output; tokens of the step that finished the request
-        arrive only there.
+        The response holds the whole output; tokens not yet sent in a delta (those of the step
+        that finished the request among them) arrive only there. Each delta wakes the caller's
+        event loop, so a server streaming many calls on one core sends fewer, larger ones.
         """
-        waiter = _Waiter(asyncio.get_running_loop(), queue=asyncio.Queue())
+        waiter = _Waiter(asyncio.get_running_loop(), queue=asyncio.Queue(), interval=interval)
         async with self._request(req, waiter):
             while True:
                 item = await waiter.queue.get()
@@ -325,7 +327,7 @@ class AsyncLLMEngine:
             streams = [(rid, w) for rid, w in self._waiters.items() if w.queue is not None]
         for rid, w in streams:
             seq = self.engine.get_sequence(rid)
-            if seq is None or seq.num_outputs <= w.sent:
+            if seq is None or seq.num_outputs - w.sent < w.interval:
                 continue
             s = w.sent
             delta = TokenDelta(

@@ -95,9 +95,11 @@ class GenerateBody(StrictBody):
     # server-sent events: {"output_tokens", "output_logprobs", "output_versions"} deltas as they
     # are sampled, the last with "stop_reason"; a client whose server dies keeps what it got
     stream: bool = False
+    # with stream: an event once this many new tokens are sampled (the last event: the rest)
+    stream_interval: int = pydantic.Field(1, ge=1)
 
     def gconfig(self) -> GenerationConfig:
-        fields = self.model_dump(exclude={"input_ids", "rid", "stream"})
+        fields = self.model_dump(exclude={"input_ids", "rid", "stream", "stream_interval"})
         return GenerationConfig(**fields)
 
 

@@ -109,7 +109,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer: Any, cfg: ServerConfig) -> Fas
         req = ModelRequest(input_ids=body.input_ids, gconfig=body.gconfig(), **rid_kwargs(body.rid))
         if body.stream:
             engine.validate(req)  # a bad request is a 400 before the stream starts
-            return StreamingResponse(stream_generate(engine, req, metrics),
+            return StreamingResponse(stream_generate(engine, req, metrics, body.stream_interval),
                                      media_type="text/event-stream")
         t0 = time.perf_counter()
         resp = await engine.agenerate(req)
@@ -244,12 +244,12 @@ def generate_reply(resp: ModelResponse) -> dict[str, Any]:
     }
 
 
-async def stream_generate(engine: AsyncLLMEngine, req: ModelRequest, metrics: EngineMetrics
-                          ) -> AsyncIterator[str]:
-    """`/generate` with stream: one event per engine step that sampled tokens, then the whole
-    reply's fields (the final step's tokens as the last delta) with the stop reason."""
+async def stream_generate(engine: AsyncLLMEngine, req: ModelRequest, metrics: EngineMetrics,
+                          interval: int = 1) -> AsyncIterator[str]:
+    """`/generate` with stream: an event once `interval` new tokens were sampled, then the
+    whole reply's fields (the tokens not sent yet as the last delta) with the stop reason."""
     sent = 0
-    async for item in engine.agenerate_stream(req):
+    async for item in engine.agenerate_stream(req, interval):
         if isinstance(item, ModelResponse):
             metrics.observe(item, item.latency)
             last = {**generate_reply(item), "output_tokens": item.output_tokens[sent:],
