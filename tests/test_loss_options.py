@@ -51,6 +51,21 @@ def test_corrections_by_hand():
     assert bound_weights(w, m, "cap", None)[0] is w
 
 
+def test_no_behaviour_weight_by_hand():
+    """behav_imp_weight=false: the clipped surrogate around the proximal policy, w = 1."""
+    logp = torch.log(torch.tensor([[0.5, 0.3]]))
+    prox = torch.log(torch.tensor([[0.4, 0.3]]))
+    behav = torch.log(torch.tensor([[0.1, 0.6]]))  # w would be 4 and 0.5
+    adv, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    cfg = PPOLossConfig(behav_imp_weight=False)
+    loss, stats = ppo_actor_loss(logp, prox, behav, adv, mask, 2.0, cfg)
+    # ratios 1.25 (clipped to 1.2 for A > 0) and 1.0: (-1.2 + 1.0) / 2
+    assert float(loss) == pytest.approx((-1.2 + 1.0) / 2)
+    assert stats["ppo/behav_weight_mean"] == 1.0
+    weighted, _ = ppo_actor_loss(logp, prox, behav, adv, mask, 2.0, PPOLossConfig())
+    assert float(weighted) == pytest.approx((-1.2 * 4 + 1.0 * 0.5) / 2)
+
+
 def test_lower_truncation_product_weights_and_gspo_token_by_hand():
     w = torch.tensor([0.2, 0.9, 1.5, 4.0])
     m = torch.tensor([True, True, True, False])
@@ -295,6 +310,8 @@ def test_bad_combinations_are_refused_when_the_config_loads():
         PPOLossConfig(policy_objective="dppo_tv", ratio_level="sequence")
     with pytest.raises(ValueError, match="cispo"):
         PPOLossConfig(policy_objective="cispo", ratio_level="sequence")
+    with pytest.raises(ValueError, match="behav_imp_weight=false.*behav_imp_weight_cap"):
+        PPOLossConfig(behav_imp_weight=False, behav_imp_weight_cap=2.0)
     from asyncrl.config import ConfigError
     from asyncrl.launch.train_config import TrainRunConfig
 
@@ -305,6 +322,8 @@ def test_bad_combinations_are_refused_when_the_config_loads():
 # ---- through the trainer ------------------------------------------------------------------
 
 OPTIONS = {
+    "no_behaviour_weight": {"actor.proximal.proximal_logprobs": "recompute",
+                            "actor.ppo.behav_imp_weight": False},
     "gspo": {"actor.ppo.ratio_level": "sequence", "actor.ppo.loss_agg": "seq_mean_token_mean"},
     "seq_mean_token_sum": {"actor.ppo.loss_agg": "seq_mean_token_sum"},
     "entropy": {"actor.ppo.entropy_coef": 0.01},

@@ -138,6 +138,9 @@ class PPOLossConfig(Config):
     eps_clip_higher: float | None = pydantic.Field(None, gt=0.0)
     # Dual clip: bounds the loss of a negative-advantage token whose ratio has exploded.
     c_clip: float | None = pydantic.Field(None, gt=1.0)
+    # false: no token is reweighted by w = pi_prox / pi_behav (w = 1); the clip stays centred on
+    # the proximal policy (AReaL's recompute_logprob without use_decoupled_loss, its default)
+    behav_imp_weight: bool = True
     # Bound on w = pi_prox / pi_behav (staleness and sampler mismatch, see corrections.py);
     # None trusts the raw weight. cap: truncated IS; mask: masked IS; icepop: two-sided masking
     # (also below behav_imp_weight_floor, default 1 / cap).
@@ -183,6 +186,13 @@ class PPOLossConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _consistent(self) -> PPOLossConfig:
+        if not self.behav_imp_weight:
+            bound = {k: v for k, v in self.model_dump(include={
+                "behav_imp_weight_cap", "behav_imp_weight_floor", "behav_imp_weight_level",
+                "behav_imp_weight_renormalize"}).items() if v not in (None, False)}
+            if bound:
+                raise ValueError(f"behav_imp_weight=false uses no weight, so {bound} would "
+                                 "change nothing; unset them or set behav_imp_weight=true")
         if self.behav_imp_weight_mode == "icepop" and self.behav_imp_weight_cap is None:
             raise ValueError("behav_imp_weight_mode='icepop' needs behav_imp_weight_cap (the upper "
                              "bound; the lower is behav_imp_weight_floor, default 1 / cap)")

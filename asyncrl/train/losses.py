@@ -78,7 +78,9 @@ def behaviour_weight(
     seq_id: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w = pi_prox / pi_behav per token (or per sequence), bounded per cfg (corrections.py);
-    also the positions the bound truncated or dropped."""
+    also the positions the bound truncated or dropped. With cfg.behav_imp_weight false: 1."""
+    if not cfg.behav_imp_weight:
+        return torch.ones_like(proximal), torch.zeros_like(mask)
     w = torch.exp(log_weights(proximal - behaviour, mask, cfg.weight_level, seq_id))
     return bound_weights(w, mask, cfg.behav_imp_weight_mode, cfg.behav_imp_weight_cap,
                          cfg.behav_imp_weight_floor)
