@@ -9,6 +9,7 @@ target accuracy, with ratios against eta = 0 (the synchronous loop).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -65,38 +66,153 @@ def run_train(label: str | int, run_dir: Path, config: str | None, overrides: li
     return summarise(label, run_dir / "metrics.jsonl", target)
 
 
-def report(runs: list[RunSummary], target: float | None, console: Console) -> None:
-    base = next((r for r in runs if r.label == 0), None)
-    table = Table(title=f"asyncrl train, eta = 0 (synchronous) vs asynchronous; target accuracy "
-                        f"{'-' if target is None else f'{target:.0%}'}")
-    for col in ("eta", "steps", "s/step", "gen tok/s", "acc start", "acc end", "acc best",
-                "t to target", "steps/s vs eta=0", "time-to-target speedup"):
+SYNC = "sync: whole machine"
+SHARED = "shared: in process"
+
+
+def placement(eta: int, split: bool, shared: bool = False) -> tuple[str, list[str]]:
+    """Where generation and training run, as config overrides.
+
+    - sync (eta = 0): the synchronous loop on the whole machine, in one process: the engine
+      generates with every core, then the trainer trains with every core.
+    - split (eta > 0, and eta = 0 with --sync-split): as on separate GPUs, the engine is a server
+      process (`inference.mode=local`) on the first half of the cores and the trainer on the
+      rest (launcher.trainer_cpus / server_cpus). Its logprob canary runs every 20th push, as
+      in process (a canary per push costs a server 1-4 s on this machine).
+    - shared (eta > 0 with --shared): the main job's placement, the engine on a thread of the
+      trainer's process (`inference.engine.num_threads` 1) sharing every core with it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if shared:
+        return SHARED, ["inference.mode=inprocess", "inference.engine.num_threads=1"]
+    if not split:
+        return SYNC, ["inference.mode=inprocess",
+                                       f"inference.engine.num_threads={len(cpus)}"]
+    half = max(1, len(cpus) // 2)
+    serve, train = cpus[:half], cpus[half:] or cpus[:half]
+    return (f"split: engine {serve}, trainer {train}",
+            ["inference.mode=local", f"inference.engine.num_threads={len(serve)}",
+             "inference.check_logprobs_every=20",
+             f"launcher.trainer_cpus={json.dumps(train)}",
+             f"launcher.server_cpus={json.dumps(serve)}"])
+
+
+def idle_fraction(metrics_path: Path) -> float:
+    """Share of the training time in which no rollout ran (step-time weighted)."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "perf/rollout_idle_frac" in r]
+    span = [r["perf/wait_s"] + r["perf/train_s"] + r["perf/weight_sync_s"] for r in steps]
+    return sum(r["perf/rollout_idle_frac"] * t for r, t in zip(steps, span)) / max(sum(span), 1e-9)
+
+
+@dataclass
+class AsyncRun:
+    eta: int
+    seed: int
+    where: str
+    summary: RunSummary
+    idle: float
+
+    def row(self) -> dict:
+        s = self.summary
+        return {"eta": self.eta, "seed": self.seed, "placement": self.where, "steps": s.steps,
+                "train_seconds": round(s.train_seconds, 1),
+                "steps_per_s": round(s.steps / max(s.train_seconds, 1e-9), 4),
+                "gen_tokens_per_s": round(s.gen_tokens_per_s, 1),
+                "engine_idle_frac": round(self.idle, 3),
+                "initial_accuracy": s.initial_accuracy, "final_accuracy": s.final_accuracy,
+                "best_accuracy": s.best_accuracy, "time_to_target_s": s.time_to_target,
+                "curve": s.curve}
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def report(rows: list[dict], target: float | None, console: Console) -> None:
+    """Per eta, the mean over seeds; ratios against eta = 0 (the synchronous loop). Time to
+    target: training seconds to the first evaluation at or above `target`, the mean over the
+    seeds that reached it (k/n says how many did)."""
+    base_key = SYNC
+    by = {}
+    for r in rows:
+        by.setdefault((r["eta"], r["placement"]), []).append(r)
+    base = next((v for (eta, where), v in by.items() if eta == 0 and where == base_key), None)
+    def reached(run: dict) -> float | None:  # from the curve, so --report can take another target
+        return next((t for _, t, acc in run["curve"] if target is not None and acc >= target),
+                    None)
+
+    tt = lambda runs: [t for t in map(reached, runs) if t is not None]  # noqa: E731
+    table = Table(title="asyncrl train: the synchronous loop (eta = 0, whole machine) vs "
+                        "asynchronous, generation and training on CPUs of their own; target "
+                        f"{'-' if target is None else f'{target:.0%}'} held-out greedy accuracy; "
+                        "mean over seeds")
+    for col in ("eta", "placement", "seeds", "steps/s", "gen tok/s", "engine idle",
+                "acc start", "acc end", "acc best", "t to target (k/n)", "steps/s vs sync",
+                "gen tok/s vs sync", "time-to-target speedup"):
         table.add_column(col, justify="right")
-    for r in runs:
-        rate = (base.seconds_per_step / r.seconds_per_step) if base and r.steps else float("nan")
-        speed = (f"{base.time_to_target / r.time_to_target:.2f}x"
-                 if base and base.time_to_target and r.time_to_target else "-")
-        fmt = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
-        table.add_row(str(r.label), str(r.steps), f"{r.seconds_per_step:.2f}",
-                      f"{r.gen_tokens_per_s:,.0f}", fmt(r.initial_accuracy),
-                      fmt(r.final_accuracy), fmt(r.best_accuracy),
-                      "-" if r.time_to_target is None else f"{r.time_to_target:.0f}s",
-                      f"{rate:.2f}x", speed)
+    pct = lambda x: "-" if x is None or x != x else f"{x:.1%}"  # noqa: E731
+    for (eta, where), runs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != base_key)):
+        sps, gen = mean([r["steps_per_s"] for r in runs]), mean([r["gen_tokens_per_s"]
+                                                                 for r in runs])
+        hit = tt(runs)
+        ratio = lambda x, key: (f"{x / mean([r[key] for r in base]):.2f}x"  # noqa: E731
+                                if base else "-")
+        speed = (f"{mean(tt(base)) / mean(hit):.2f}x" if base and tt(base) and hit else "-")
+        table.add_row(str(eta), where, str(len(runs)), f"{sps:.3f}", f"{gen:,.0f}",
+                      pct(mean([r["engine_idle_frac"] for r in runs])),
+                      pct(mean([r["initial_accuracy"] or 0 for r in runs])),
+                      pct(mean([r["final_accuracy"] or 0 for r in runs])),
+                      pct(mean([r["best_accuracy"] or 0 for r in runs])),
+                      f"{mean(hit):.0f}s ({len(hit)}/{len(runs)})" if hit else f"- (0/{len(runs)})",
+                      ratio(sps, "steps_per_s"), ratio(gen, "gen_tokens_per_s"), speed)
     console.print(table)
-    for r in runs:
-        pts = ", ".join(f"{step}:{acc:.0%}@{t:.0f}s" for step, t, acc in r.curve)
-        console.print(f"eta={r.label} curve (step:accuracy@training seconds): {pts}", soft_wrap=True)
+    for r in rows:
+        pts = ", ".join(f"{step}:{acc:.0%}@{t:.0f}s" for step, t, acc in r["curve"])
+        console.print(f"eta={r['eta']} seed={r['seed']} ({r['placement']}) curve "
+                      f"(step:accuracy@training seconds): {pts}", soft_wrap=True)
 
 
-def run_real_benchmark(etas: list[int], target: float | None, max_seconds: float,
-                       config: str | None, overrides: list[str], out: Path) -> list[RunSummary]:
+def run_real_benchmark(etas: list[int], seeds: list[int], target: float | None,
+                       max_seconds: float, config: str | None, overrides: list[str], out: Path,
+                       record: Path | None, sync_split: bool = False,
+                       shared: bool = False) -> list[dict]:
+    """Every (seed, eta) as its own `asyncrl train` process, seeds outermost (a stopped run
+    leaves balanced seeds); the record is rewritten after each run."""
     console = Console(width=160)
-    runs = []
-    for eta in sorted(set([0, *etas])):
-        summary = run_train(eta, out / f"eta{eta}", config,
-                            [f"rollout.max_head_offpolicyness={eta}",
-                             f"max_train_seconds={max_seconds}", *overrides], console, target)
-        if summary is not None:
-            runs.append(summary)
-    report(runs, target, console)
-    return runs
+    rows: list[dict] = []
+    plan = [(seed, eta, eta > 0, False) for seed in seeds for eta in sorted(set([0, *etas]))]
+    if sync_split:
+        plan += [(seed, 0, True, False) for seed in seeds]
+    if shared:
+        plan += [(seed, eta, False, True) for seed in seeds for eta in sorted(set(etas)) if eta]
+    if record is not None and record.is_file():  # add to it: runs already there are kept
+        old = json.loads(record.read_text())
+        same = {"config": config, "max_seconds": max_seconds, "overrides": overrides}
+        if {k: old.get(k) for k in same} != same:
+            raise SystemExit(f"{record} holds runs of other settings "
+                             f"({ {k: old.get(k) for k in same} }); give another --record")
+        rows = old["runs"]
+    done = {(r["seed"], r["eta"], r["placement"]) for r in rows}
+    for seed, eta, split, inproc in plan:
+        where, place = placement(eta, split, inproc)
+        if (seed, eta, where) in done:
+            continue
+        label = f"eta={eta} seed={seed} ({where})"
+        suffix = "-split" if split and eta == 0 else "-shared" if inproc else ""
+        run_dir = out / f"seed{seed}" / f"eta{eta}{suffix}"
+        summary = run_train(label, run_dir, config,
+                            [f"rollout.max_head_offpolicyness={eta}", f"seed={seed}",
+                             f"max_train_seconds={max_seconds}", *place, *overrides],
+                            console, target)
+        if summary is None:
+            continue
+        rows.append(AsyncRun(eta, seed, where, summary,
+                             idle_fraction(run_dir / "metrics.jsonl")).row())
+        if record is not None:
+            record.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
+                                          "config": config, "max_seconds": max_seconds,
+                                          "target": target, "overrides": overrides,
+                                          "cpus": sorted(os.sched_getaffinity(0)),
+                                          "runs": rows}, indent=1))
+    report(rows, target, console)
+    return rows

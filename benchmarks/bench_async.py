@@ -1,7 +1,12 @@
 """Asynchronous (staleness bound eta > 0) vs synchronous (eta = 0) RL, at equal hardware.
 
---mode real: the actual training loop on the tiny model, eta = 0 against --etas, time to reach
-    --target-accuracy (not wired yet; see `run_real`).
+--mode real: the actual `asyncrl train` job on the long-tailed chain task (configs/train_chain.yaml)
+    for every seed and eta: eta = 0 is the synchronous loop on the whole machine (one process;
+    the engine generates with every core, then the trainer trains with every core); eta > 0 puts
+    the engine in a server process on half of the cores and the trainer on the other half, as
+    on separate GPUs (benchmarks/async_real.py). It prints steps/s, generated tokens/s, the
+    engine's idle share (training time with no rollout running), the training time to
+    --target-accuracy and the ratios against eta = 0; --record keeps every run as JSON.
 --mode sim: a discrete-event MODEL (benchmarks/async_sim.py, virtual time, runs in seconds) of many
     inference servers with long-tailed generation lengths. Admission and consumption are the real
     `StalenessManager`, driven as `WorkflowExecutor.prepare_batch` drives it. Synchronous RL is the
@@ -16,6 +21,9 @@
     depend on this machine, so unlike the other benchmarks no matmul GFLOP/s is printed.
 
 Run from the repository root:
+
+    python benchmarks/bench_async.py --mode real --record benchmarks/results/bench_async_real.json
+    python benchmarks/bench_async.py --mode real --report benchmarks/results/bench_async_real.json
 
     python benchmarks/bench_async.py --mode sim                    # full grid, < 60 s on 2 cores
     python benchmarks/bench_async.py --mode sim --quick            # a few seconds
@@ -62,11 +70,18 @@ QUICK = {"devices": "4,16", "weak_prompts_per_device": 4, "etas": "0,2,4", "spli
 
 
 def run_real(args: argparse.Namespace) -> None:
-    """Time to --target-accuracy of the real loop, eta = 0 vs each of --etas."""
-    from async_real import run_real_benchmark
+    """Time to --target-accuracy of the real loop, eta = 0 vs each of --etas, every seed."""
+    import json
 
-    run_real_benchmark(args.etas, args.target_accuracy, args.max_seconds, args.config, args.set,
-                       Path(args.out))
+    from async_real import report, run_real_benchmark
+
+    if args.report:
+        rec = json.loads(Path(args.report).read_text())
+        report(rec["runs"], args.target_accuracy, Console(width=160))
+        return
+    run_real_benchmark(args.etas, ints(args.seeds), args.target_accuracy, args.max_seconds,
+                       args.config, args.set, Path(args.out),
+                       Path(args.record) if args.record else None, args.sync_split, args.shared)
 
 
 # ---- simulation --------------------------------------------------------------------------------
@@ -270,12 +285,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=("real", "sim"), default="real")
     ap.add_argument("--etas", default=None, help="comma-separated staleness bounds (eta=0 always "
-                    "run as the baseline); default real 0,2,4, sim 0,1,2,4,8")
+                    "run as the baseline); default 0,1,2,4,8")
     real = ap.add_argument_group("real mode")
-    real.add_argument("--target-accuracy", type=float, default=None,
+    real.add_argument("--target-accuracy", type=float, default=0.35,
                       help="held-out greedy accuracy to reach (real mode)")
-    real.add_argument("--max-seconds", type=float, default=600.0, help="budget per eta (real)")
-    real.add_argument("--config", default=None, help="train config YAML (default: the main job)")
+    real.add_argument("--max-seconds", type=float, default=240.0,
+                      help="training seconds per run (real)")
+    real.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (real)")
+    real.add_argument("--config", default="configs/train_chain.yaml",
+                      help="train config YAML (default: the long-tailed chain job)")
+    real.add_argument("--sync-split", action="store_true",
+                      help="also run eta = 0 with the split placement (what the split costs)")
+    real.add_argument("--shared", action="store_true", help="also run each eta > 0 with the "
+                      "engine in the trainer's process, sharing every core (the main job's way)")
+    real.add_argument("--record", default=None, help="write the runs here as JSON (runs it "
+                      "already holds are kept and not run again)")
+    real.add_argument("--report", default=None, help="reprint the table of a --record file")
     real.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="train config override, repeatable (e.g. --set eval.every=5)")
     real.add_argument("--out", default="runs/bench_async", help="run directories go here")
@@ -307,7 +332,7 @@ def main() -> None:
     if args.quick:
         ap.set_defaults(**QUICK)
         args = ap.parse_args()
-    args.etas = ints(args.etas or ("0,2,4" if args.mode == "real" else "0,1,2,4,8"))
+    args.etas = ints(args.etas or "0,1,2,4,8")
     if args.mode == "real":
         run_real(args)
         return

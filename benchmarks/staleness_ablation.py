@@ -1,21 +1,24 @@
-"""AReaL's staleness ablation at tiny scale, on the main job (configs/train_tiny.yaml).
+"""AReaL's staleness ablation at tiny scale, on the long-tailed chain job (configs/train_chain.yaml).
 
-eta in {0, 4, 8} x objective in {naive PPO, decoupled PPO, decoupled + truncated IS}, the same
-training-time budget and seeds for every cell, each an `asyncrl train` process as a user runs it:
+Cells: eta x objective x minibatches per batch x learning rate x seed, each an `asyncrl train`
+process as a user runs it, with the same training-time budget. The objectives:
 
-- naive:      proximal = behaviour: PPO's trust region is centred on whatever stale policy
-              sampled the token (`actor.proximal.proximal_logprobs=behaviour`);
-- decoupled:  AReaL's decoupled objective with the exact proximal policy (an extra forward
-              pass of the trainer's current weights, `proximal_logprobs=recompute`): the clip is
-              centred on the recent policy, the stale sampler enters through w = pi_prox/pi_behav;
-- decoupled+tis: the same with w truncated at 2 (`behav_imp_weight_cap=2`, mode cap).
+- naive:       proximal = behaviour: PPO's trust region is centred on whatever stale policy
+               sampled the token (`actor.proximal.proximal_logprobs=behaviour`);
+- decoupled:   the clip centred on the recomputed proximal policy (the trainer's weights before
+               the step), no behaviour weight (`behav_imp_weight=false`; AReaL's default today);
+- capped:      decoupled with w = pi_prox / pi_behav, tokens with w > 5 dropped (AReaL's
+               behave_imp_weight_cap 5 with its masking);
+- icepop:      decoupled with w, tokens outside [0.5, 2] dropped and left out of the normaliser;
+- tis:         decoupled with w truncated at 2 (truncated importance sampling).
 
-AReaL's finding to check: the decoupled objective at eta = 4 keeps the accuracy of eta = 0
-while naive PPO degrades. The table gives final and best held-out greedy accuracy (mean over
-seeds, then each seed), steps, mean staleness of the consumed batches, and accuracy relative to
-the synchronous naive cell (eta = 0), whichever way it comes out.
+At eta = 0 the proximal policy is the behaviour one (up to the sampler's float mismatch), so
+every objective is the same update: only `naive` runs there, the baseline of each (minibatches,
+lr, seed). The record accumulates: a cell already in it (same settings, same seconds) is not run
+again, so the grid can be filled over several sessions; `--from-record` prints the table.
 
-    python benchmarks/staleness_ablation.py --seconds 120 --seeds 2
+    python benchmarks/staleness_ablation.py --etas 0,4 --minibatches 1 --seeds 0,1,2
+    python benchmarks/staleness_ablation.py --from-record benchmarks/results/staleness_ablation_chain.json
 """
 
 from __future__ import annotations
@@ -36,42 +39,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from async_real import RunSummary, run_train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORD = ROOT / "benchmarks" / "results" / "staleness_ablation.json"
+RECORD = ROOT / "benchmarks" / "results" / "staleness_ablation_chain.json"
+RECOMPUTE = "actor.proximal.proximal_logprobs=recompute"
 OBJECTIVES = {
     "naive": ["actor.proximal.proximal_logprobs=behaviour"],
-    "decoupled": ["actor.proximal.proximal_logprobs=recompute"],
-    "decoupled+tis": ["actor.proximal.proximal_logprobs=recompute",
-                      "actor.ppo.behav_imp_weight_cap=2.0", "actor.ppo.behav_imp_weight_mode=cap"],
+    "decoupled": [RECOMPUTE, "actor.ppo.behav_imp_weight=false"],
+    "capped": [RECOMPUTE, "actor.ppo.behav_imp_weight_cap=5.0",
+               "actor.ppo.behav_imp_weight_mode=mask"],
+    "icepop": [RECOMPUTE, "actor.ppo.behav_imp_weight_cap=2.0",
+               "actor.ppo.behav_imp_weight_mode=icepop", "actor.ppo.behav_imp_weight_renormalize=true"],
+    "tis": [RECOMPUTE, "actor.ppo.behav_imp_weight_cap=2.0", "actor.ppo.behav_imp_weight_mode=cap"],
 }
+KEY = ("eta", "objective", "minibatches", "lr", "seed", "seconds")
 
 
-def mean_staleness(run_dir: Path) -> float:
+def run_means(run_dir: Path) -> dict[str, float]:
+    """Means over the run's steps: staleness, the behaviour weight's max and the mismatch."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    vals = [r["staleness/mean"] for r in rows if "staleness/mean" in r]
-    return sum(vals) / len(vals) if vals else float("nan")
-
-
-def run_cells(etas: list[int], seeds: int, seconds: float, out: Path, console: Console,
-              objectives: list[str], extra: list[str]) -> list[dict]:
-    cells = []
-    for eta in etas:
-        for name in objectives:
-            overrides = [*OBJECTIVES[name], *extra]
-            for seed in range(seeds):
-                run_dir = out / f"eta{eta}-{name}-seed{seed}"
-                summary: RunSummary | None = run_train(
-                    f"eta={eta} {name} seed={seed}", run_dir, str(ROOT / "configs/train_tiny.yaml"),
-                    [f"rollout.max_head_offpolicyness={eta}", f"seed={seed}",
-                     f"max_train_seconds={seconds}", *overrides], console)
-                if summary is None:
-                    raise SystemExit(f"eta={eta} {name} seed={seed} failed; see {run_dir}")
-                cells.append({"eta": eta, "objective": name, "seed": seed,
-                              "steps": summary.steps, "train_seconds": summary.train_seconds,
-                              "final": summary.final_accuracy, "best": summary.best_accuracy,
-                              "initial": summary.initial_accuracy,
-                              "staleness_mean": mean_staleness(run_dir),
-                              "curve": summary.curve})
-    return cells
+    out = {}
+    for name, key in (("staleness_mean", "staleness/mean"), ("behav_weight_max",
+                      "ppo/behav_weight_max"), ("behav_dropped_frac", "ppo/behav_masked_frac"),
+                      ("clip_frac", "ppo/clip_frac")):
+        vals = [r[key] for r in rows if key in r]
+        out[name] = sum(vals) / len(vals) if vals else float("nan")
+    return out
 
 
 def late_accuracy(cell: dict, evals: int = 3) -> float:
@@ -80,62 +71,110 @@ def late_accuracy(cell: dict, evals: int = 3) -> float:
     return sum(accs) / len(accs)
 
 
+def run_cells(plan: list[dict], cells: list[dict], config: str, out: Path, console: Console,
+              extra: list[str], save: callable) -> None:
+    done = {tuple(c[k] for k in KEY) for c in cells}
+    for cell in plan:
+        key = tuple(cell[k] for k in KEY)
+        if key in done:
+            continue
+        name = "-".join(f"{k}{cell[k]}" for k in KEY[:-1])
+        run_dir = out / name
+        summary: RunSummary | None = run_train(
+            name, run_dir, config,
+            [f"rollout.max_head_offpolicyness={cell['eta']}", f"seed={cell['seed']}",
+             f"max_train_seconds={cell['seconds']}", f"actor.ppo_n_minibatches={cell['minibatches']}",
+             f"train.optimizer.lr={cell['lr']}", *OBJECTIVES[cell["objective"]], *extra], console)
+        if summary is None:
+            raise SystemExit(f"{name} failed; see {run_dir}")
+        cells.append({**cell, "steps": summary.steps, "train_seconds": summary.train_seconds,
+                      "final": summary.final_accuracy, "best": summary.best_accuracy,
+                      "initial": summary.initial_accuracy, **run_means(run_dir),
+                      "curve": summary.curve})
+        save(cells)
+
+
 def report(cells: list[dict], console: Console) -> None:
-    base = [c["final"] for c in cells if c["eta"] == 0 and c["objective"] == "naive"]
-    base_final = statistics.mean(base) if base else float("nan")
-    table = Table(title="staleness ablation (main job; held-out greedy accuracy after equal "
-                        "training time)")
-    for col in ("eta", "objective", "final (mean)", "last 3 evals (mean)", "best (mean)",
-                "final per seed", "steps", "staleness", "final vs eta=0 naive"):
+    table = Table(title="staleness ablation (chain job; held-out greedy accuracy after equal "
+                        "training time; mean over seeds)")
+    for col in ("eta", "objective", "mb", "lr", "seeds", "final", "last 3 evals", "best",
+                "final per seed", "steps", "staleness", "w max", "dropped", "vs eta=0"):
         table.add_column(col, justify="right")
-    keys = sorted({(c["eta"], c["objective"]) for c in cells},
-                  key=lambda k: (k[0], list(OBJECTIVES).index(k[1])))
-    for eta, name in keys:
-        group = [c for c in cells if c["eta"] == eta and c["objective"] == name]
-        final = statistics.mean(c["final"] for c in group)
-        table.add_row(str(eta), name, f"{final:.1%}",
-                      f"{statistics.mean(late_accuracy(c) for c in group):.1%}",
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["eta"], c["objective"], c["minibatches"], c["lr"]), []).append(c)
+    order = list(OBJECTIVES)
+    order += sorted({c["objective"] for c in cells} - set(order))  # older records' names
+    for (eta, name, mb, lr), group in sorted(groups.items(), key=lambda kv: (
+            kv[0][2], kv[0][3], kv[0][0], order.index(kv[0][1]))):
+        base = groups.get((0, "naive", mb, lr), [])
+        late = statistics.mean(late_accuracy(c) for c in group)
+        vs = (f"{late - statistics.mean(late_accuracy(c) for c in base):+.1%}"
+              if base and eta else "")
+        table.add_row(str(eta), name, str(mb), f"{lr:g}", str(len(group)),
+                      f"{statistics.mean(c['final'] for c in group):.1%}", f"{late:.1%}",
                       f"{statistics.mean(c['best'] for c in group):.1%}",
                       " ".join(f"{c['final']:.1%}" for c in group),
                       " ".join(str(c["steps"]) for c in group),
                       f"{statistics.mean(c['staleness_mean'] for c in group):.2f}",
-                      f"{final - base_final:+.1%}")
+                      f"{statistics.mean(c['behav_weight_max'] for c in group):.2f}",
+                      f"{statistics.mean(c['behav_dropped_frac'] for c in group):.2%}", vs)
     console.print(table)
+    console.print("vs eta=0: the last-3-evaluation mean against eta = 0 (naive) with the same "
+                  "minibatches and learning rate")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--etas", default="0,4,8")
-    ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--seconds", type=float, default=120.0, help="training time of every run")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seconds", type=float, default=300.0, help="training time of every run")
     ap.add_argument("--objectives", default=",".join(OBJECTIVES))
+    ap.add_argument("--minibatches", default="1,4", help="actor.ppo_n_minibatches values")
+    ap.add_argument("--lrs", default="2e-4", help="learning rates (train.optimizer.lr)")
+    ap.add_argument("--config", default=str(ROOT / "configs/train_chain.yaml"))
     ap.add_argument("--out", default="runs/staleness_ablation")
-    ap.add_argument("overrides", nargs="*", help="key=value for every run, e.g. "
-                    "actor.ppo_n_minibatches=4 (recorded)")
+    ap.add_argument("overrides", nargs="*", help="key=value for every run (recorded)")
     ap.add_argument("--record", default=str(RECORD), help="'' to write no record")
     ap.add_argument("--from-record", default=None, help="print the table of a record, run nothing")
     args = ap.parse_args()
-    console = Console(width=160)
+    console = Console(width=170)
     if args.from_record:
-        report(json.loads(Path(args.from_record).read_text())["cells"], console)
+        rec = json.loads(Path(args.from_record).read_text())
+        for c in rec["cells"]:  # records of the main-job ablation predate these fields
+            c.setdefault("minibatches", 1)
+            c.setdefault("lr", 2e-4)
+            for k in ("behav_weight_max", "behav_dropped_frac"):
+                c.setdefault(k, float("nan"))
+        report(rec["cells"], console)
         return
-    etas = [int(x) for x in args.etas.split(",")]
     objectives = args.objectives.split(",")
     bad = [o for o in objectives if o not in OBJECTIVES]
     if bad:
         raise SystemExit(f"--objectives {bad}: unknown; allowed {list(OBJECTIVES)}")
-    cells = run_cells(etas, args.seeds, args.seconds, Path(args.out), console, objectives,
-                      args.overrides)
-    report(cells, console)
-    if args.record:
-        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.record).write_text(json.dumps({
+    record = Path(args.record) if args.record else None
+    cells = json.loads(record.read_text())["cells"] if record and record.is_file() else []
+    plan = [{"eta": eta, "objective": name, "minibatches": mb, "lr": lr, "seed": seed,
+             "seconds": args.seconds}
+            for seed in map(int, args.seeds.split(","))
+            for mb in map(int, args.minibatches.split(","))
+            for lr in map(float, args.lrs.split(","))
+            for eta in map(int, args.etas.split(","))
+            for name in (["naive"] if eta == 0 else objectives)]
+
+    def save(cells: list[dict]) -> None:
+        if record is None:
+            return
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({
             "command": "python benchmarks/staleness_ablation.py " + " ".join(sys.argv[1:]),
-            "date": datetime.date.today().isoformat(),
+            "date": datetime.date.today().isoformat(), "config": args.config,
             "machine": {"cpus": torch.get_num_threads(), "processor": platform.processor(),
                         "torch": torch.__version__},
-            "seconds": args.seconds, "overrides": args.overrides, "cells": cells}, indent=1))
-        console.print(f"record written to {args.record}")
+            "overrides": args.overrides, "cells": cells}, indent=1))
+
+    run_cells(plan, cells, args.config, Path(args.out), console, args.overrides, save)
+    report(cells, console)
 
 
 if __name__ == "__main__":

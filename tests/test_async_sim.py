@@ -98,21 +98,27 @@ def test_cli_quick_sim_runs():
 def test_real_mode_summary_reads_a_run(tmp_path):
     import json
 
-    from async_real import report, summarise
+    from async_real import SYNC, AsyncRun, idle_fraction, report, summarise
     from rich.console import Console
 
+    step = {"perf/wait_s": 1.0, "perf/train_s": 2.0, "perf/weight_sync_s": 1.0}
     rows = [{"step": 0, "eval/greedy_accuracy": 0.1, "time/elapsed_s": 0.0},
-            {"step": 1, "reward/mean": 0.2, "time/elapsed_s": 5.0, "perf/gen_tokens_per_s": 9.0},
+            {"step": 1, "reward/mean": 0.2, "time/elapsed_s": 5.0, "perf/gen_tokens_per_s": 9.0,
+             "perf/rollout_idle_frac": 0.5, **step},
             {"step": 2, "reward/mean": 0.3, "time/elapsed_s": 9.0, "perf/gen_tokens_per_s": 11.0,
+             "perf/rollout_idle_frac": 0.0, **step, "perf/train_s": 6.0,
              "eval/greedy_accuracy": 0.5}]
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     s = summarise(0, path, target=0.4)
     assert (s.steps, s.train_seconds, s.time_to_target) == (2, 9.0, 9.0)
     assert s.initial_accuracy == 0.1 and s.best_accuracy == 0.5 and s.gen_tokens_per_s == 11.0
-    fast = summarise(2, path, target=0.4)
-    fast.time_to_target, fast.train_seconds = 3.0, 4.5
-    console = Console(record=True, width=200)
-    report([s, fast], 0.4, console)
+    assert idle_fraction(path) == pytest.approx(0.5 * 4 / 12)  # weighted by each step's time
+    sync = AsyncRun(0, 0, SYNC, s, 0.3).row()
+    fast = AsyncRun(2, 0, "split", summarise(2, path, target=0.4), 0.0).row()
+    fast["steps_per_s"] *= 2
+    fast["curve"] = [(0, 0.0, 0.1), (2, 3.0, 0.5)]  # the target 3x sooner
+    console = Console(record=True, width=250)
+    report([sync, fast], 0.4, console)
     text = console.export_text()
-    assert "3.00x" in text and "2.00x" in text
+    assert "3.00x" in text and "2.00x" in text and "30.0%" in text
