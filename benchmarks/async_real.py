@@ -130,18 +130,27 @@ def mean(xs: list[float]) -> float:
 
 def report(rows: list[dict], target: float | None, console: Console) -> None:
     """Per eta, the mean over seeds; ratios against eta = 0 (the synchronous loop). Time to
-    target: training seconds to the first evaluation at or above `target`, the mean over the
-    seeds that reached it (k/n says how many did)."""
+    target: training seconds to the first evaluation at or above `target`, the mean over seeds
+    where a seed that never reached it counts its whole budget (so the mean is a lower bound,
+    marked >=; k/n says how many reached it). The speedup is marked >= or <= when one side is
+    such a bound, ~ when both are."""
     base_key = SYNC
     by = {}
     for r in rows:
         by.setdefault((r["eta"], r["placement"]), []).append(r)
     base = next((v for (eta, where), v in by.items() if eta == 0 and where == base_key), None)
-    def reached(run: dict) -> float | None:  # from the curve, so --report can take another target
-        return next((t for _, t, acc in run["curve"] if target is not None and acc >= target),
-                    None)
+    def reached(run: dict) -> tuple[float, bool]:
+        """Training seconds to the target (from the curve, so --report can take another
+        target), or the run's whole budget, censored, when it never got there."""
+        hit = next((t for _, t, acc in run["curve"] if target is not None and acc >= target),
+                   None)
+        return (hit, False) if hit is not None else (run["train_seconds"], True)
 
-    tt = lambda runs: [t for t in map(reached, runs) if t is not None]  # noqa: E731
+    def to_target(runs: list[dict]) -> tuple[float, int]:
+        """Mean over seeds (a censored run counts its budget: a lower bound), seeds that hit."""
+        got = [reached(r) for r in runs]
+        return mean([t for t, _ in got]), sum(not c for _, c in got)
+
     table = Table(title="asyncrl train: the synchronous loop (eta = 0, whole machine) vs "
                         "asynchronous, generation and training on CPUs of their own; target "
                         f"{'-' if target is None else f'{target:.0%}'} held-out greedy accuracy; "
@@ -154,16 +163,21 @@ def report(rows: list[dict], target: float | None, console: Console) -> None:
     for (eta, where), runs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != base_key)):
         sps, gen = mean([r["steps_per_s"] for r in runs]), mean([r["gen_tokens_per_s"]
                                                                  for r in runs])
-        hit = tt(runs)
+        t_mean, hits = to_target(runs)
         ratio = lambda x, key: (f"{x / mean([r[key] for r in base]):.2f}x"  # noqa: E731
                                 if base else "-")
-        speed = (f"{mean(tt(base)) / mean(hit):.2f}x" if base and tt(base) and hit else "-")
+        speed = "1.00x" if runs is base else "-"
+        if base and hits and runs is not base:
+            b_mean, b_hits = to_target(base)
+            bound = (">=" if b_hits < len(base) else "") if hits == len(runs) else "<=" \
+                if b_hits == len(base) else "~"
+            speed = f"{bound}{b_mean / t_mean:.2f}x"
         table.add_row(str(eta), where, str(len(runs)), f"{sps:.3f}", f"{gen:,.0f}",
                       pct(mean([r["engine_idle_frac"] for r in runs])),
                       pct(mean([r["initial_accuracy"] or 0 for r in runs])),
                       pct(mean([r["final_accuracy"] or 0 for r in runs])),
                       pct(mean([r["best_accuracy"] or 0 for r in runs])),
-                      f"{mean(hit):.0f}s ({len(hit)}/{len(runs)})" if hit else f"- (0/{len(runs)})",
+                      f"{'>=' if hits < len(runs) else ''}{t_mean:.0f}s ({hits}/{len(runs)})",
                       ratio(sps, "steps_per_s"), ratio(gen, "gen_tokens_per_s"), speed)
     console.print(table)
     for r in rows:

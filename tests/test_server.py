@@ -76,6 +76,7 @@ def test_streamed_generate_sends_an_event_per_interval_and_the_rest_last(server,
             "greedy": True}
     whole = post(server, "/generate", json=body).json()
     with httpx.stream("POST", server + "/generate", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
                       json={**body, "stream": True, "stream_interval": interval}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
