@@ -186,7 +186,8 @@ class TrainRunConfig(Config):
     checkpoint_shard_size: int | str = DEFAULT_SHARD_SIZE
     output_dir: str | None = None  # None: runs/<UTC timestamp>
     seed: int = 0  # data order, sampling and initialisation
-    torch_threads: int | None = pydantic.Field(None, ge=1, description="trainer; None: every core this process may use")
+    torch_threads: int | None = pydantic.Field(
+        None, ge=1, description="trainer; None: every core this process may use")
     # where the job runs: local (this machine; torchrun for several ranks) or ray (trainer ranks
     # and mode-local servers placed on a Ray cluster, `asyncrl train --ray ADDRESS`)
     launcher: LauncherConfig = pydantic.Field("local", description="local | ray | {kind: ray, ...}")
