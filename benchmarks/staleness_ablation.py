@@ -10,7 +10,9 @@ process as a user runs it, with the same training-time budget. The objectives:
 - capped:      decoupled with w = pi_prox / pi_behav, tokens with w > 5 dropped (AReaL's
                behave_imp_weight_cap 5 with its masking);
 - icepop:      decoupled with w, tokens outside [0.5, 2] dropped and left out of the normaliser;
-- tis:         decoupled with w truncated at 2 (truncated importance sampling).
+- tis:         decoupled with w truncated at 2 (truncated importance sampling);
+- loglinear:   the chain config's own setting: the proximal policy interpolated between the
+               behaviour and current logprobs by version (no extra forward), w uncapped.
 
 At eta = 0 the proximal policy is the behaviour one (up to the sampler's float mismatch), so
 every objective is the same update: only `naive` runs there, the baseline of each (minibatches,
@@ -49,6 +51,7 @@ OBJECTIVES = {
     "icepop": [RECOMPUTE, "actor.ppo.behav_imp_weight_cap=2.0",
                "actor.ppo.behav_imp_weight_mode=icepop", "actor.ppo.behav_imp_weight_renormalize=true"],
     "tis": [RECOMPUTE, "actor.ppo.behav_imp_weight_cap=2.0", "actor.ppo.behav_imp_weight_mode=cap"],
+    "loglinear": ["actor.proximal.proximal_logprobs=loglinear"],
 }
 KEY = ("eta", "objective", "minibatches", "lr", "seed", "seconds")
 
@@ -128,10 +131,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--etas", default="0,4,8")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--seconds", type=float, default=300.0, help="training time of every run")
+    ap.add_argument("--seconds", type=float, default=180.0, help="training time of every run")
     ap.add_argument("--objectives", default=",".join(OBJECTIVES))
     ap.add_argument("--minibatches", default="1,4", help="actor.ppo_n_minibatches values")
-    ap.add_argument("--lrs", default="2e-4", help="learning rates (train.optimizer.lr)")
+    ap.add_argument("--lrs", default="1e-4", help="learning rates (train.optimizer.lr)")
     ap.add_argument("--config", default=str(ROOT / "configs/train_chain.yaml"))
     ap.add_argument("--out", default="runs/staleness_ablation")
     ap.add_argument("overrides", nargs="*", help="key=value for every run (recorded)")
