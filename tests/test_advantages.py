@@ -110,6 +110,43 @@ def test_compute_advantages_gae_puts_outcome_on_last_token_and_adds_dense_reward
         compute_advantages(AdvantageInputs(t([1.0]), mask), cfg)
 
 
+def test_gae_bootstraps_a_truncated_row_from_the_value_after_its_last_token():
+    """AReaL's convention: a row cut at the length limit did not end, so the step after its last
+    action is worth V(state after it), not 0; a row that stopped keeps value 0 there."""
+    gamma, lam = 0.9, 0.8
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
+    values = t([[0.0, 0.5, 0.6], [0.0, 0.5, 0.6]])
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    # row 0 (truncated, V_end = 0.4): delta1 = 1 + 0.9 * 0.4 - 0.6 = 0.76; A1 = 0.76
+    #   delta0 = 0.9 * 0.6 - 0.5 = 0.04; A0 = 0.04 + 0.72 * 0.76 = 0.5872
+    # row 1 (stopped): delta1 = 1 - 0.6 = 0.4; A0 = 0.04 + 0.72 * 0.4 = 0.328
+    adv, returns = gae_advantages(rewards, values, mask, gamma, lam, t([0.4, 0.0]))
+    assert flat(adv) == pytest.approx([0, 0.5872, 0.76, 0, 0.328, 0.4], abs=1e-6)
+    assert flat(returns) == pytest.approx([0, 1.0872, 1.36, 0, 0.828, 1.0], abs=1e-6)
+    cfg = AdvantageConfig(estimator="gae", gamma=gamma, lam=lam, truncated_bootstrap=True)
+    # compute_advantages uses the end value of truncated rows only (row 1's 9.0 is ignored)
+    res = compute_advantages(AdvantageInputs(
+        t([1.0, 1.0]), mask, values=values, truncated=torch.tensor([True, False]),
+        end_values=t([0.4, 9.0])), cfg)
+    assert flat(res.advantages) == pytest.approx([0, 0.5872, 0.76, 0, 0.328, 0.4], abs=1e-6)
+    # without the option both rows end: row 0 as row 1
+    res = compute_advantages(AdvantageInputs(
+        t([1.0, 1.0]), mask, values=values, truncated=torch.tensor([True, False]),
+        end_values=t([0.4, 9.0])), AdvantageConfig(estimator="gae", gamma=gamma, lam=lam))
+    assert flat(res.advantages) == pytest.approx([0, 0.328, 0.4, 0, 0.328, 0.4], abs=1e-6)
+    with pytest.raises(ValueError, match="needs end_values"):
+        compute_advantages(AdvantageInputs(t([1.0, 1.0]), mask, values=values,
+                                           truncated=torch.tensor([True, False])), cfg)
+
+
+def test_truncated_bootstrap_is_refused_where_it_cannot_act():
+    with pytest.raises(ValueError, match="estimator='gae' only"):
+        AdvantageConfig(estimator="grpo", truncated_bootstrap=True)
+    with pytest.raises(ValueError, match="changes nothing"):
+        AdvantageConfig(estimator="gae", truncated_bootstrap=True, truncated="mask_loss")
+    AdvantageConfig(estimator="gae", truncated_bootstrap=True, truncated="zero_reward")
+
+
 # --- reward shaping ---------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from asyncrl.api.trajectory import Sample
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.config import TinyModelConfig
-from asyncrl.train.critic import ValueModel, critic_token_loss
+from asyncrl.train.critic import ValueModel, critic_token_loss, values_and_end_values
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.heads import ValueHead
 from asyncrl.train.config import CriticConfig
@@ -55,6 +55,21 @@ def test_packed_values_equal_unpacked(model_dir):
             v = engine.model(input_ids=torch.tensor([s.input_ids]))[0]
             want = torch.cat([torch.zeros(1), v[:-1]])
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_end_values_are_the_head_on_each_samples_last_token(model_dir):
+    """What GAE bootstraps a truncated row from: V(state after the last token), the head on the
+    last token's hidden state; the values before it are the plain forward's."""
+    samples = make_samples(LENGTHS, seed=2)
+    engine = critic(model_dir, trainable=False, max_tokens_per_mb=40)
+    values, ends = values_and_end_values(engine, samples)
+    assert ends.shape == (len(samples),)
+    for got, want in zip(values, engine.forward(samples)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        for s, end in zip(samples, ends):
+            v = engine.model(input_ids=torch.tensor([s.input_ids]))[0]
+            torch.testing.assert_close(end, v[-1].float(), atol=1e-5, rtol=0)
 
 
 def test_shared_prompt_values_equal_unshared(model_dir):

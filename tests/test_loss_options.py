@@ -369,6 +369,9 @@ OPTIONS = {
                                 "actor.ppo_n_minibatches": 2},
     "kl_loss_k1_loglinear": {"actor.ppo.kl_coef": 0.05, "actor.ppo.kl_kind": "k1",
                              "actor.proximal.proximal_logprobs": "loglinear"},
+    "gae_truncated_bootstrap": {"actor.advantage.estimator": "gae",
+                                "actor.advantage.truncated_bootstrap": True,
+                                "gconfig.max_new_tokens": 2},
     "gae_kl_reward": {"actor.advantage.estimator": "gae", "actor.ppo.kl_coef": 0.05,
                       "actor.ppo.kl_as": "reward"},
 }
@@ -388,6 +391,8 @@ def test_option_trains_through_the_trainer(model_dir, tmp_path, name):
         assert all(m["actor/entropy"] > 0 for m in steps)
     if name.startswith("gae"):
         assert all(math.isfinite(m["critic/loss"]) for m in steps)
+    if name == "gae_truncated_bootstrap":  # 2 new tokens: rows are cut, and bootstrapped
+        assert all(m["adv/truncated_frac"] > 0 for m in steps)
     if name == "gae_kl_reward":
         assert "actor/kl_reward_mean" in steps[-1] and "actor/kl_ref" not in steps[-1]
 

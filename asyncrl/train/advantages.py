@@ -130,6 +130,7 @@ def gae_advantages(
     loss_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    end_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the loss tokens of each row -> (advantages, returns).
 
@@ -138,7 +139,9 @@ def gae_advantages(
     Only loss tokens are actions: positions with mask 0 (prompt, right padding, tool output between
     turns) are skipped, so the "next" step of an action is the next loss token of the same row,
     and discounting counts actions, not positions. After a row's last action the episode ends
-    (next value 0), also for truncated rows, which have no value of the state after the cut.
+    (next value 0), unless `end_values` [B] gives the value of the state after it: a row cut at
+    the length limit did not end, so AReaL bootstraps from the critic's value there (0 in the
+    other rows keeps their end).
 
         delta_t = r_t + gamma * V_next - V_t
         A_t     = delta_t + gamma * lam * A_next
@@ -150,7 +153,8 @@ def gae_advantages(
     rewards = token_rewards.float()
     vals = values.detach().float()
     adv = torch.zeros_like(vals)
-    next_value = torch.zeros_like(vals[..., 0])
+    next_value = (torch.zeros_like(vals[..., 0]) if end_values is None
+                  else end_values.detach().float())
     next_adv = torch.zeros_like(next_value)
     for t in reversed(range(vals.shape[-1])):
         m = mask[..., t]
@@ -173,6 +177,8 @@ class AdvantageInputs:
     values: torch.Tensor | None = None  # [N, T] critic values at rollout time, gae only
     token_rewards: torch.Tensor | None = None  # [N, T] dense rewards (e.g. kl_reward), gae only
     truncated: torch.Tensor | None = None  # [N] bool, the sequence hit the length limit
+    # [N] the critic's V(state after the last token), gae with truncated_bootstrap only
+    end_values: torch.Tensor | None = None
     response_lengths: torch.Tensor | None = None  # [N] for the overlong penalty; default mask sum
 
 
@@ -229,7 +235,14 @@ def _gae(rewards, mask, inputs, cfg):
     token_rewards = outcome_token_rewards(rewards, mask)
     if inputs.token_rewards is not None:
         token_rewards = token_rewards + inputs.token_rewards.float()
-    return gae_advantages(token_rewards, inputs.values, mask, cfg.gamma, cfg.lam)
+    end_values = None
+    if cfg.truncated_bootstrap:
+        if inputs.end_values is None or inputs.truncated is None:
+            raise ValueError("truncated_bootstrap needs end_values [N] (the critic's value after "
+                             "each row's last token) and truncated [N]")
+        end_values = torch.where(inputs.truncated, inputs.end_values.float(),
+                                 torch.zeros_like(inputs.end_values, dtype=torch.float32))
+    return gae_advantages(token_rewards, inputs.values, mask, cfg.gamma, cfg.lam, end_values)
 
 
 ESTIMATORS: dict[str, EstimatorFn] = {

@@ -242,6 +242,9 @@ class AdvantageConfig(Config):
     overlong_penalty_factor: float = pydantic.Field(1.0, ge=0.0)
     # a completion cut at max_new_tokens: kept, its reward set to 0, or its loss masked
     truncated: TruncationMode = "keep"
+    # GAE: a row cut at the length limit bootstraps from the critic's value of the state after
+    # its last token (AReaL) instead of ending there with value 0
+    truncated_bootstrap: bool = False
 
     @pydantic.model_validator(mode="after")
     def _check_overlong(self) -> AdvantageConfig:
@@ -251,6 +254,12 @@ class AdvantageConfig(Config):
         if self.whiten and self.estimator == "reinforce_pp_baseline":
             raise ValueError("estimator='reinforce_pp_baseline' already whitens over the step's "
                              "tokens; leave whiten false")
+        if self.truncated_bootstrap and self.estimator != "gae":
+            raise ValueError("truncated_bootstrap needs a critic's values: estimator='gae' only; "
+                             f"estimator={self.estimator!r}")
+        if self.truncated_bootstrap and self.truncated == "mask_loss":
+            raise ValueError("truncated_bootstrap with truncated='mask_loss' changes nothing: a "
+                             "truncated row has no loss tokens; use 'keep' or 'zero_reward'")
         if self.overlong_buffer_len is None:
             return self
         if self.overlong_max_len is None:

@@ -15,12 +15,15 @@ nothing leaks across a packing boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncrl.api.trajectory import Sample
 from asyncrl.train.engine import HFTrainEngine, MicroBatchLossFn
 from asyncrl.train.heads import ValueHead
 from asyncrl.train.config import CriticConfig
@@ -87,6 +90,21 @@ def critic_token_loss(value_eps_clip: float | None = 0.2) -> MicroBatchLossFn:
                                  normalizer, value_eps_clip=value_eps_clip)
 
     return loss_fn
+
+
+def values_and_end_values(critic: HFTrainEngine, samples: Sequence[Sample]
+                          ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The critic's input-aligned values of each sample and [N] V(state after its last token).
+
+    One forward over each sample with a token appended: the value at the appended position is
+    the head on the last real token's hidden state, whatever the token (attention is causal),
+    and the values before it are the sample's own."""
+    longer = [dataclasses.replace(s, input_ids=[*s.input_ids, s.input_ids[-1]],
+                                  loss_mask=[*s.loss_mask, 0], logprobs=[*s.logprobs, 0.0],
+                                  versions=[*s.versions, s.versions[-1]],
+                                  token_rewards=None) for s in samples]
+    values = critic.forward(longer)
+    return [v[:-1] for v in values], torch.stack([v[-1] for v in values])
 
 
 def load_critic(path: str | Path, cfg: CriticConfig, dtype: str, total_steps: int,

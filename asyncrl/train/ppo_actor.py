@@ -20,7 +20,7 @@ import torch
 from asyncrl.api.loss import LossInputs, PolicyLoss
 from asyncrl.api.trajectory import Sample, Trajectory
 from asyncrl.train.advantages import AdvantageInputs, compute_advantages
-from asyncrl.train.critic import critic_token_loss
+from asyncrl.train.critic import critic_token_loss, values_and_end_values
 from asyncrl.train.losses import behaviour_weight
 from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
@@ -105,9 +105,12 @@ class PPOActor:
         data: dict[str, list[torch.Tensor]] = {}
         if self.ref is not None:
             data["ref_logprobs"] = self.ref.forward(samples)
-        values = token_rewards = None
+        values = token_rewards = end_values = None
         if self.critic is not None:
-            data["old_values"] = self.critic.forward(samples)
+            if self.cfg.advantage.truncated_bootstrap:
+                data["old_values"], end_values = values_and_end_values(self.critic, samples)
+            else:
+                data["old_values"] = self.critic.forward(samples)
             values = _padded(data["old_values"], mask)
             if self.cfg.ppo.kl_coef > 0 and self.cfg.ppo.kl_as == "reward":
                 behaviour = _padded([torch.tensor(s.logprobs) for s in samples], mask)
@@ -117,7 +120,8 @@ class PPOActor:
         inputs = AdvantageInputs(
             rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
             loss_mask=mask, group_ids=groups, values=values, token_rewards=token_rewards,
-            truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool))
+            truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool),
+            end_values=end_values)
         result = compute_advantages(inputs, self.cfg.advantage)
         data["advantages"] = _rows(result.advantages, samples)
         data["adv_loss_mask"] = _rows(result.loss_mask.float(), samples)
