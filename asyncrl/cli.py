@@ -56,6 +56,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(ns: argparse.Namespace) -> int:
+    from asyncrl.view.server import view
+
+    try:
+        view(ns.run_dir, ns.host, ns.port, ns.api_key or os.environ.get("ASYNCRL_VIEW_API_KEY"))
+    except OSError as err:  # the port is taken, the address is not this machine's
+        raise UserError(f"cannot listen on {ns.host}:{ns.port}: {err}") from err
+    return 0
+
+
 def cmd_eval(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -262,6 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
     _add_serve_parser(sub)
     _add_eval_parser(sub)
+    vw = sub.add_parser("view", help="a live web page of a run's curves, events and trajectories")
+    vw.add_argument("run_dir", metavar="RUN_DIR",
+                    help="a run directory, or a directory of runs (shown side by side)")
+    vw.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1: this machine only)")
+    vw.add_argument("--port", type=int, default=8600, help="0 picks a free port")
+    vw.add_argument("--api-key", default=None,
+                    help="key the page's data routes need (or ASYNCRL_VIEW_API_KEY); required "
+                         "with a --host other than loopback")
+    vw.set_defaults(func=cmd_view)
     bm = sub.add_parser("build-model", help="build a random-init model of a preset shape "
                         "(tiny, tiny-vl, qwen2.5-0.5b, qwen2.5-1.5b) as a HF directory")
     bm.add_argument("out_dir", nargs="?", default=None, metavar="OUT_DIR",

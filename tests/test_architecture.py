@@ -51,6 +51,13 @@ def test_layers_import_downward_only():
     assert not bad, "\n".join(bad)
 
 
+def test_only_the_cli_imports_the_view():
+    """asyncrl/view/ reads run directories from the outside: no job depends on it."""
+    bad = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+           if "view" in imported_parts(p) and p.parent.name != "view" and p.name != "cli.py"]
+    assert not bad, bad
+
+
 def test_every_path_architecture_md_names_exists():
     text = (ROOT / "ARCHITECTURE.md").read_text()
     paths = set(re.findall(r"`((?:asyncrl|tests)/[\w/.]+)`", text))

@@ -117,6 +117,26 @@ def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
                for line in f.read_text().splitlines()]
     resumed = [r for r in records if r["start_version"] >= 2]
     assert resumed and min(r["head_version"] for r in resumed) >= 2
+    # the timeline (events.jsonl) and the samples `asyncrl view` shows, across the resume
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["step"]) for e in events if e["kind"] != "checkpoint"] == [
+        ("start", 0), ("eval", 0), ("eval", 2), ("stop", 2), ("resume", 2), ("eval", 4),
+        ("stop", 4)]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [1, 2, 3, 4]
+    resume = next(e for e in events if e["kind"] == "resume")
+    assert resume["checkpoint"].endswith("step_000002") and resume["version"] == 2
+    assert "episodes in flight restored" in resume["message"]
+    for step in (1, 2, 3, 4):
+        rows = [json.loads(x) for x in (run / "samples" / f"step_{step:06d}.jsonl")
+                .read_text().splitlines()]
+        assert {r["group"] for r in rows} == {0, 1, 2, 3}  # logging.sample_groups: 4
+        assert all(r["policy_version"] == step - 1 for r in rows)
+        for r in rows:  # the trainer's logprobs next to the sampler's, on generated tokens
+            gen = [i for i, m in enumerate(r["loss_mask"]) if m]
+            assert len(r["tokens"]) == len(r["input_ids"]) and gen
+            fresh = [i for i in gen if r["versions"][i] == r["policy_version"]]
+            assert all(abs(r["trainer_logprobs"][i] - r["sampler_logprobs"][i]) < 1e-3
+                       for i in fresh)
 
 
 def helpers_env(**extra: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ monitoring need no secret. The key is checked before the body is read, in consta
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -19,16 +20,21 @@ OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/do
 
 
 class BearerKey:
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
+    """`is_open(path)`: the paths that need no key (default: the probes above); `command`:
+    the command whose --api-key the 401 names."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None,
+                 is_open: Callable[[str], bool] = OPEN_PATHS.__contains__,
+                 command: str = "asyncrl serve") -> None:
+        self.app, self.is_open, self.command = app, is_open, command
         self.expected = api_key.encode() if api_key is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.expected is None or scope["type"] != "http"
-                or scope["path"] in OPEN_PATHS or self._authorized(scope)):
+                or self.is_open(scope["path"]) or self._authorized(scope)):
             return await self.app(scope, receive, send)
         resp = error_body(401, "missing or wrong API key: send Authorization: Bearer <api_key> "
-                               "or x-api-key: <api_key> (the key `asyncrl serve --api-key` "
+                               f"or x-api-key: <api_key> (the key `{self.command} --api-key` "
                                "was started with)",
                           headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)

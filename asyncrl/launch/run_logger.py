@@ -43,6 +43,9 @@ class LoggingConfig(Config):
     plot: bool = True  # draw RUN/curves.png (reward, accuracy, loss, staleness)
     plot_every: int = pydantic.Field(10, ge=1)  # the train loop calls RunLogger.plot() this often
     log_every: int = pydantic.Field(1, ge=1)  # steps between written records (eval always written)
+    # groups of each batch written token by token to RUN/samples/ (versions, sampler and trainer
+    # logprobs, advantages) for `asyncrl view`; 0: none
+    sample_groups: int = pydantic.Field(4, ge=0)
 
 
 _SKIP = object()  # marks a value that is not a number

@@ -41,7 +41,9 @@ from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
 from asyncrl.launch.rollout_monitor import RolloutMonitor
 from asyncrl.launch.run_checkpoints import (LoopState, PolicyExport, RunCheckpointer,
                                             latest_checkpoint)
+from asyncrl.launch.run_events import EventKind, RunEvents
 from asyncrl.launch.run_logger import RunLogger
+from asyncrl.launch.step_samples import StepSamples
 from asyncrl.launch.train_config import CONFIG_FILE, TrainRunConfig
 from asyncrl.launch.train_loop import (LoopParts, RunContext, StopRequest, TrainLoop,
                                        TrainResult, bounded)
@@ -217,7 +219,8 @@ def build_trainer(cfg: TrainRunConfig, base: Path, loss: PolicyLoss | None,
     if loss is not None and not isinstance(loss, PolicyLoss):
         raise UserError(f"loss {loss!r} is not a PolicyLoss: a callable loss(logprobs, inputs, "
                         "normalizer) -> (loss, stats) with `normalize_by` and `needs_entropy`")
-    actor = PPOActor(policy, cfg.actor, ref, loss, critic, cfg.critic.value_eps_clip)
+    actor = PPOActor(policy, cfg.actor, ref, loss, critic, cfg.critic.value_eps_clip,
+                     record_groups=cfg.logging.sample_groups)
     return TrainerGroup(policy, actor)
 
 
@@ -267,6 +270,8 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
                                                         engines.version, monitor.accept))
         saver = checkpointer(job, group, tokenizer, base,
                              {"loop": state, "data": stream, "rollout": executor})
+        events = stack.enter_context(RunEvents(job.run_dir))
+        stack.enter_context(events.capture())
         limit = cfg.watchdog.sync_timeout_s
         bounded(executor, engines.check_servers(), limit, "the servers' start-up checks",
                 "watchdog.sync_timeout_s")
@@ -276,6 +281,15 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
             # the engines started from the base model: the checkpoint's weights, labelled
             bounded(executor, engines.push(group.state_dict(), trainer.version.value), limit,
                     "the weight push of the resumed checkpoint", "watchdog.sync_timeout_s")
+            events.step = state.step
+            restored = executor.stats()["restored"]
+            events.emit(EventKind.RESUME, f"resumed from {ckpt.name} at step {state.step}, "
+                        f"version {trainer.version.value}; episodes in flight restored: "
+                        + (", ".join(f"{v} {k}" for k, v in restored.items()) or "none"),
+                        checkpoint=str(ckpt), version=trainer.version.value, episodes=restored)
+        else:
+            events.emit(EventKind.START, f"started {job.run_dir.name} from {base}",
+                        model=str(base))
         bounded(executor, engines.canary(trainer.version.value), limit,
                 "the start-up logprob check", "watchdog.sync_timeout_s")
         logger = stack.enter_context(RunLogger(
@@ -284,8 +298,10 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
         progress = stack.enter_context(TrainProgress(
             cfg.total_steps, cfg.max_train_seconds, console, start_step=state.step))
         stop = stack.enter_context(StopRequest())
+        samples = StepSamples(job.run_dir, cfg.logging.sample_groups,
+                              lambda ids: tokenizer.batch_decode([[i] for i in ids]))
         parts = LoopParts(group, engines, executor, evaluator, stream, monitor, saver,
-                          logger, progress, stop,
+                          logger, progress, stop, events, samples,
                           reporters=tuple(r for r in (workflow, reward)
                                           if isinstance(r, ReportsMetrics)),
                           closables=tuple(w for w in (workflow,) if isinstance(w, Closable)))

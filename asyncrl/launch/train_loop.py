@@ -29,7 +29,9 @@ from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rollout_engines import RolloutEngines
 from asyncrl.launch.rollout_monitor import RolloutMonitor, batch_metrics
 from asyncrl.launch.run_checkpoints import LoopState, RunCheckpointer
+from asyncrl.launch.run_events import EventKind, RunEvents
 from asyncrl.launch.run_logger import RunLogger
+from asyncrl.launch.step_samples import StepSamples
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.trainer_group import TrainerGroup
 from asyncrl.launch.watchdog import NoProgressError, Watchdog
@@ -95,6 +97,8 @@ class LoopParts:
     logger: RunLogger
     progress: TrainProgress
     stop: StopRequest
+    events: RunEvents  # RUN/events.jsonl: evaluations, checkpoints, warnings, the stop
+    samples: StepSamples  # RUN/samples/: a few groups of each batch, token by token
     reporters: tuple[ReportsMetrics, ...] = ()  # log their metrics() after every step
     closables: tuple[Closable, ...] = ()  # closed on the executor's loop when the loop ends
 
@@ -120,6 +124,10 @@ class TrainLoop:
     def run(self) -> TrainResult:
         try:
             self._run()
+        except BaseException as err:
+            self.parts.events.emit(EventKind.ERROR, f"the run stopped at step "
+                                   f"{self.state.step}: {type(err).__name__}: {err}")
+            raise
         finally:  # e.g. an agent workflow's proxy server and process pool
             for part in self.parts.closables:
                 self.parts.executor.run(part.aclose(), timeout=60)
@@ -149,6 +157,7 @@ class TrainLoop:
                 break
             state.train_seconds += time.perf_counter() - t0
             state.wall_seconds = time.perf_counter() - wall0
+            p.events.step = state.step
             metrics.update({"time/elapsed_s": state.train_seconds,
                             "time/wall_s": state.wall_seconds})
             if cfg.eval.every and state.step % cfg.eval.every == 0:
@@ -178,6 +187,9 @@ class TrainLoop:
         p.progress.message(f"stopped by {stopped_by} at step {state.step} after "
                            f"{state.train_seconds:.0f}s of training "
                            f"({state.wall_seconds:.0f}s wall); run dir {self.ctx.run_dir}")
+        p.events.emit(EventKind.STOP, f"stopped by {stopped_by} at step {state.step} after "
+                      f"{state.train_seconds:.0f}s of training", stopped_by=stopped_by,
+                      train_seconds=state.train_seconds)
 
     def next_batch(self) -> list | str:
         """The next batch, or why the loop stops while waiting for it: "interrupted" (a stop
@@ -216,6 +228,8 @@ class TrainLoop:
         t3 = time.perf_counter()
         idle, self._idle_mark = self._idle_mark, (t3, p.executor.idle_seconds)
         self.state.step += 1
+        p.samples.write(self.state.step, new_version - 1, trajs,
+                        p.trainer.actor.take_record())
         metrics.update(p.monitor.take())
         for reporter in p.reporters:
             metrics.update(reporter.metrics())
@@ -253,6 +267,9 @@ class TrainLoop:
         p.progress.message(f"eval at step {step}: {report.name} {acc:.3g}{report.detail} "
                            f"({len(self.ctx.eval_rows)} held-out problems, "
                            f"{time.perf_counter() - t0:.1f}s)")
+        p.events.emit(EventKind.EVAL, f"{report.name} {acc:.3g}{report.detail} on "
+                      f"{len(self.ctx.eval_rows)} held-out problems", metric=report.name,
+                      score=acc)
         return metrics
 
     def _save_grid(self, report: Any, initial: bool) -> None:
@@ -278,3 +295,5 @@ class TrainLoop:
                 p.executor.resume()
         kept = ", ".join(f"{v} {k}" for k, v in snap.counts().items())
         p.progress.message(f"checkpoint {path} (episodes in flight kept: {kept})")
+        p.events.emit(EventKind.CHECKPOINT, f"checkpoint {path.name} (episodes in flight kept: "
+                      f"{kept})", path=str(path), episodes=snap.counts())

@@ -13,12 +13,15 @@ naming the wait and the setting, never a silent hang.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pydantic
 
 from asyncrl.config import Config
 from asyncrl.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class WatchdogConfig(Config):
@@ -42,10 +45,22 @@ class WaitTimeoutError(UserError):
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig) -> None:
         self.cfg = cfg
+        self._warned: set[tuple[int, str]] = set()  # (step, rule) already warned of
 
     def check(self, stats: dict[str, Any], waiting_s: float, step: int) -> None:
-        """Raise NoProgressError if the executor's `stats` or the wait show no progress."""
+        """Raise NoProgressError if the executor's `stats` or the wait show no progress; log a
+        warning (once per step and rule) when half of a limit is reached."""
         cfg, in_a_row = self.cfg, stats.get("rejected_in_a_row", 0)
+        if cfg.max_rejected_in_a_row and in_a_row >= cfg.max_rejected_in_a_row / 2:
+            self._warn(step, "max_rejected_in_a_row",
+                       f"{in_a_row} episodes in a row rejected or failed after step {step}; the "
+                       f"run stops at {cfg.max_rejected_in_a_row} (watchdog.max_rejected_in_a_row)"
+                       f"; latest: {stats.get('last_rejection')}")
+        if cfg.step_deadline_s is not None and waiting_s >= cfg.step_deadline_s / 2:
+            self._warn(step, "step_deadline_s",
+                       f"no training step for {waiting_s:.0f}s after step {step}; the run stops "
+                       f"at {cfg.step_deadline_s:g}s (watchdog.step_deadline_s); rollouts: "
+                       f"{_brief(stats)}")
         if cfg.max_rejected_in_a_row and in_a_row >= cfg.max_rejected_in_a_row:
             raise NoProgressError(
                 f"no batch can be formed: {in_a_row} episodes in a row were rejected or failed "
@@ -56,6 +71,11 @@ class Watchdog:
                 f"no training step for {waiting_s:.0f}s after step {step} "
                 f"(watchdog.step_deadline_s={cfg.step_deadline_s:g}): the batch never filled; "
                 f"latest rejection: {stats.get('last_rejection')}; rollouts: {_brief(stats)}")
+
+    def _warn(self, step: int, rule: str, message: str) -> None:
+        if (step, rule) not in self._warned:
+            self._warned.add((step, rule))
+            log.warning(message)
 
     @staticmethod
     def timed_out(what: str, setting: str, limit: float, detail: str = "") -> WaitTimeoutError:

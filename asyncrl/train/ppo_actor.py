@@ -25,7 +25,7 @@ from asyncrl.train.losses import behaviour_weight
 from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.mismatch import MismatchMonitor
-from asyncrl.train.packing import PackedMicroBatch
+from asyncrl.train.packing import PackedMicroBatch, unpack
 from asyncrl.train.proximal import proximal_logprobs
 from asyncrl.train.config import PPOActorConfig
 
@@ -77,9 +77,11 @@ class PPOActor:
     def __init__(self, engine: HFTrainEngine, cfg: PPOActorConfig,
                  ref: HFTrainEngine | None = None, loss: PolicyLoss | None = None,
                  critic: HFTrainEngine | None = None,
-                 value_eps_clip: float | None = 0.2) -> None:
+                 value_eps_clip: float | None = 0.2, record_groups: int = 0) -> None:
         """`critic` (estimator gae) regresses on each batch's returns, its update clipped by
-        `value_eps_clip` around the values it had when the batch arrived (None: no clip)."""
+        `value_eps_clip` around the values it had when the batch arrived (None: no clip).
+        `record_groups`: keep the trainer's per-token logprobs and advantages of the first that
+        many groups of each batch for `take_record` (what a person inspects; 0: none)."""
         if cfg.ppo.kl_coef > 0 and ref is None:
             raise ValueError(f"ppo.kl_coef={cfg.ppo.kl_coef} > 0 needs a reference model; "
                              "pass ref=HFTrainEngine(..., trainable=False) or set ppo.kl_coef=0")
@@ -96,6 +98,9 @@ class PPOActor:
         self._batch_version = engine.version.value  # the weights the current batch started from
         self.monitor = MismatchMonitor()
         self._watching = False
+        self.record_groups = record_groups
+        self._recording: set[int] = set()  # batch indices of the samples to record
+        self._record: dict[int, dict[str, list[float]]] = {}
 
     def token_data(self, samples: Sequence[Sample], groups: torch.Tensor
                    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
@@ -167,7 +172,19 @@ class PPOActor:
         inputs = self.loss_inputs(logprobs, mb)
         if self._watching:  # the first minibatch: the weights the batch started from
             self.monitor.add(logprobs, inputs)
+            if self._recording:
+                for i, lp in zip(mb.sample_index, unpack(logprobs.detach().reshape(-1), mb)):
+                    if i in self._recording:
+                        self._record.setdefault(i, {})["trainer_logprobs"] = \
+                            lp.float().cpu().tolist()
         return self.loss(logprobs, inputs, normalizer)
+
+    def take_record(self) -> dict[int, dict[str, list[float]]]:
+        """The last step's recorded samples by batch index: `trainer_logprobs` (the policy the
+        step started from; present for the samples this rank trained in its first minibatch)
+        and `advantages`, each aligned with the sample's tokens. Empty afterwards."""
+        record, self._record = self._record, {}
+        return record
 
     def train_step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """`ppo_n_minibatches` optimizer steps, then the policy version advances by one; returns
@@ -176,6 +193,9 @@ class PPOActor:
         if not samples:
             raise ValueError("train_step got trajectories with no samples")
         data, stats = self.token_data(samples, groups)
+        self._recording = {i for i, g in enumerate(groups.tolist()) if g < self.record_groups}
+        self._record = {i: {"advantages": data["advantages"][i].float().tolist()}
+                        for i in self._recording}
         if self.cfg.ppo.behav_imp_weight_renormalize:
             samples = self._drop_bounded_tokens(samples, data, stats)
         self._batch_version = self.engine.version.value
