@@ -88,16 +88,22 @@ def runs(model_dir, tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def view_url(runs):
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "view", str(runs),
+def start_view(root: Path) -> tuple[subprocess.Popen, str]:
+    """`asyncrl view ROOT --port 0` as a user runs it; its first line names the URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "view", str(root),
                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     line = proc.stdout.readline()
     if not line.startswith("asyncrl view: http://"):
         proc.kill()
         pytest.fail(f"asyncrl view did not start: {line!r} {proc.stderr.read()[-2000:]}")
-    yield line.split(": ", 1)[1].strip()
+    return proc, line.split(": ", 1)[1].strip()
+
+
+@pytest.fixture(scope="module")
+def view_url(runs):
+    proc, url = start_view(runs)
+    yield url
     proc.terminate()
     proc.wait(30)
 
@@ -260,3 +266,34 @@ def test_a_damaged_step_and_the_events_table_say_what_they_hold(browser, view_ur
     started = time.monotonic()
     browser.get(f"{view_url}api/metrics?run=nope")
     assert "no run named 'nope'" in browser.page_source and time.monotonic() - started < 60
+
+
+def test_curves_follow_a_run_that_is_still_writing(browser, runs, tmp_path):
+    """The page polls: lines a run appends (half a line first, as a writer mid-flush) reach
+    the curves without a reload."""
+    live = tmp_path / "live"
+    live.mkdir()
+    lines = (runs / "text" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (live / "metrics.jsonl").write_text("".join(lines[:2]))
+    proc, url = start_view(live)
+    try:
+        browser.get(url)
+
+        def points(d):
+            return int(d.find_element(By.ID, "chart-reward").get_attribute("data-points") or 0)
+
+        def expected(upto):
+            return sum(1 for x in lines[:upto] for k in ("reward/mean", "reward/all_mean")
+                       if k in json.loads(x))
+
+        wait_for(browser, lambda d: points(d) == expected(2), "the first lines' points")
+        with open(live / "metrics.jsonl", "a") as f:
+            f.write(lines[2][:10])
+            f.flush()
+            wait_for(browser, lambda d: d.find_element(By.ID, "runs").text, "the run card")
+            f.write(lines[2][10:] + "".join(lines[3:]))
+        wait_for(browser, lambda d: points(d) == expected(len(lines)),
+                 f"all {expected(len(lines))} points")
+    finally:
+        proc.terminate()
+        proc.wait(30)
