@@ -447,7 +447,9 @@ def test_mismatch_monitor_by_hand():
     assert got["mismatch/fresh_tokens"] == 2
     assert got["mismatch/logprob_diff_mean"] == pytest.approx(0.2)
     assert got["mismatch/logprob_diff_max"] == pytest.approx(0.3)
-    assert got["mismatch/iw_max"] == pytest.approx(3.0) and got["mismatch/iw_min"] == 1.0
+    # w = pi_theta / pi_behav over the trained tokens, whatever the proximal policy is
+    assert got["mismatch/iw_max"] == pytest.approx(math.exp(2.0))
+    assert got["mismatch/iw_min"] == pytest.approx(math.exp(-0.3))
     assert got["mismatch/iw_over_2_frac"] == pytest.approx(1 / 3)
     assert mon.summary() == {"mismatch/fresh_tokens": 0.0}  # emptied
 

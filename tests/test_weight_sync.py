@@ -6,6 +6,7 @@ disk against a real `asyncrl serve`; and a gloo broadcast between two real proce
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.launch.launchers import LocalLauncher
 from asyncrl.launch.local_servers import LocalServers
+from asyncrl.launch.run_events import RunEvents
 from train_helpers import server_command
 from asyncrl.launch.rollout_engines import open_rollout_engines
 from asyncrl.launch.train_config import InferenceLaunchConfig
@@ -222,7 +224,8 @@ def test_state_dict_dirs_reload_the_exact_tokenizer(model_dir, tmp_path):
 def test_broadcast_sync_survives_a_killed_server(model_dir, tmp_path):
     """Two real servers in one gloo weight group: two pushes use one group; then one server is
     SIGKILLed and the next push forms a group of the survivor and reaches it (the dead one is
-    reported as missing the update, not a failed job)."""
+    reported as missing the update, not a failed job). The failure is a `server` event on the
+    run's timeline (what `asyncrl view` shows)."""
     engine = EngineSettings(max_num_seqs=2, max_seq_len=64, num_threads=1)
 
     async def push(engines, version):
@@ -252,12 +255,16 @@ def test_broadcast_sync_survives_a_killed_server(model_dir, tmp_path):
         await engines.engine.aclose()
 
     make = lambda key: server_command("asyncrl", model_dir, api_key=key, engine=engine)  # noqa: E731
-    with LocalServers(make, 2, tmp_path / "logs") as servers:
+    with LocalServers(make, 2, tmp_path / "logs") as servers, RunEvents(tmp_path) as events, \
+            events.capture():
         cfg = InferenceLaunchConfig(mode="remote", weight_sync="gloo", bucket_bytes=1 << 16,
                                     remote=RemoteEngineConfig(addresses=servers.urls,
                                                               api_key=servers.api_key))
         with open_rollout_engines(cfg, model_dir, tmp_path / "logs", LocalLauncher()) as engines:
             asyncio.run(run(engines, servers))
+    timeline = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "server" and "weight update to version 3 failed on 1 of 2 server(s)"
+               in e["message"] for e in timeline), timeline
 
 
 def server_greedy_nokey(url: str, key: str | None) -> dict:

@@ -10,8 +10,10 @@ weights the step started from, before any update:
   staleness does not enter; `mismatch/fresh_tokens` counts them (0: no fresh token this step,
   e.g. every token is stale at eta > 0, and the diff metrics are absent).
 - `mismatch/iw_{p99,max,min}` and `mismatch/iw_over_2_frac`: the tails of the behaviour importance
-  weight w = pi_prox / pi_behav on all trained tokens (staleness and mismatch together), the
-  weight the decoupled loss multiplies by before any correction bounds it.
+  weight w = pi_theta / pi_behav on all trained tokens, pi_theta being the trainer's policy the
+  step starts from (staleness and mismatch together): the weight a decoupled loss with a
+  recomputed proximal policy multiplies by before any correction bounds it, measured whatever
+  the objective (naive PPO and the log-linear proximal policy included).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class MismatchMonitor:
         fresh = mask & (inputs.versions == inputs.policy_version)
         lp = logprobs.detach().float()
         self._diffs.append((lp - inputs.behaviour_logprobs)[fresh].abs().cpu())
-        log_w = (inputs.proximal_logprobs.detach() - inputs.behaviour_logprobs)[mask]
+        log_w = (lp - inputs.behaviour_logprobs)[mask]
         self._log_w.append(log_w.float().cpu())
 
     def summary(self) -> dict[str, float]:
