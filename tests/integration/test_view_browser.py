@@ -24,6 +24,9 @@ from test_train_loop import metrics, small_config
 from train_helpers import digit_reward
 
 from asyncrl import Trainer
+from asyncrl.api import Trajectory
+from asyncrl.api.trajectory import Sample
+from asyncrl.launch.step_samples import StepSamples
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.models.presets import build_preset_model
 
@@ -76,6 +79,22 @@ def runs(model_dir, tmp_path_factory) -> Path:
     Trainer(small_config(vl, root / "vision", total_steps=2, checkpoint_every=0, **{
         "data": {"kind": "counting", "num_train": 32, "num_eval": 4, "max_objects": 3},
         "gconfig.max_new_tokens": 3, "eval.every": 0})).train()
+    # an agent's episode as the proxy exports it (concat): model turns with a tool call, the
+    # tool's result between them, a reward per turn; written by the run's own writer
+    text = ["<|im_start|>user\nAdd 2 and 3<|im_end|>\n<|im_start|>assistant\n",
+            '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>',
+            "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n", "5<|im_end|>"]
+    pieces = [c for part in text for c in part]
+    mask = [m for part, m in zip(text, (0, 1, 0, 1)) for _ in part]
+    ends = [sum(len(p) for p in text[:i + 1]) - 1 for i in range(4)]
+    rewards = [0.0] * len(pieces)
+    rewards[ends[1]], rewards[ends[3]] = 0.5, 1.0
+    episode = Sample(list(range(len(pieces))), mask, [-0.5 * m for m in mask],
+                     [3 * m - (1 - m) for m in mask], reward=1.0, token_rewards=rewards,
+                     metadata={"turns": 2, "tool_calls": 1})
+    StepSamples(root / "agent", 1, lambda ids: [pieces[i] for i in ids]).write(
+        4, 3, [Trajectory([episode], group_id="add-2-3")], {})
+    (root / "agent" / "metrics.jsonl").write_text('{"step": 4, "reward/mean": 1.0}\n')
     damaged = root / "damaged"
     shutil.copytree(root / "text", damaged, ignore=shutil.ignore_patterns("checkpoints"))
     lines = (damaged / "metrics.jsonl").read_text().splitlines()
@@ -144,7 +163,7 @@ def test_curves_have_one_point_per_recorded_step_and_events_on_the_timeline(
     # every run's reward curve point is a step of its metrics.jsonl (the damaged copy's bad
     # line and cut tail skipped); the held-out curve has one point per evaluation
     rewards = sum(sum(1 for m in metrics(runs / n) for k in ("reward/mean", "reward/all_mean")
-                      if k in m) for n in ("text", "multi_turn", "vision", "text"))  # + damaged
+                      if k in m) for n in ("text", "multi_turn", "vision", "text", "agent"))
     chart = browser.find_element(By.ID, "chart-reward")
     wait_for(browser, lambda d: int(chart.get_attribute("data-points")) == rewards,
              f"{rewards} reward points")
@@ -170,7 +189,7 @@ def test_curves_have_one_point_per_recorded_step_and_events_on_the_timeline(
     states = {c.get_attribute("data-run"): c.find_element(By.CLASS_NAME, "state").text
               for c in browser.find_elements(By.CSS_SELECTOR, "#runs .run")}
     assert states["text"] == "finished" and set(states) == {"text", "multi_turn", "vision",
-                                                             "damaged", "fresh"}
+                                                             "damaged", "fresh", "agent"}
     browser.save_screenshot(str(shots / "curves.png"))
 
 
@@ -238,6 +257,15 @@ def test_a_multi_turn_episode_is_a_conversation_and_a_vlm_prompt_shows_its_image
                               for r in rows if len(r["turns"]) > 2)
     assert model_turns >= len(rows)
     browser.save_screenshot(str(shots / "multi_turn.png"))
+    browser.get(f"{view_url}?tab=samples&run=agent&step=4")
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".turn.model"), "the turns")
+    turns = [t.find_element(By.CLASS_NAME, "role").text for t in
+             browser.find_elements(By.CSS_SELECTOR, ".turn")]
+    assert turns == ["model turn 1 · reward 0.5", "context (user, tool or environment tokens)",
+                     "model turn 2 · reward 1"]
+    assert [c.text for c in browser.find_elements(By.CLASS_NAME, "tool-call")] == [
+        'tool call: add({"a":2,"b":3})']
+    browser.save_screenshot(str(shots / "agent.png"))
     browser.get(f"{view_url}?tab=samples&run=vision&step=1")
     wait_for(browser, lambda d: any(i.get_attribute("naturalWidth") not in (None, "0")
                                     for i in d.find_elements(By.CSS_SELECTOR, ".images img")),

@@ -169,7 +169,7 @@ function chartTraces(chart) {
         type: chart.hist ? "bar" : "scatter", mode: "lines+markers", marker: {size: 4},
       });
     }
-    if (chart.hist) break;  // a stacked histogram is of one run: the first
+    if (chart.hist && keys.length) break;  // a stacked histogram is of one run: the first
   }
   return traces;
 }
@@ -464,6 +464,21 @@ function drawSamples() {
   box.replaceChildren(...out);
 }
 
+function toolCalls(text) {
+  // hermes-style calls (<tool_call>{"name": ..., "arguments": ...}</tool_call>), as the proxy
+  // parses them by default; a call that is not JSON is shown as written
+  const out = [];
+  for (const m of text.matchAll(/<tool_call>([\s\S]*?)<\/tool_call>/g)) {
+    try {
+      const call = JSON.parse(m[1]);
+      out.push(`${call.name}(${JSON.stringify(call.arguments ?? {})})`);
+    } catch (err) {
+      out.push(m[1].trim() + " (not JSON)");
+    }
+  }
+  return out;
+}
+
 function sampleDiv(r, mode, promptEnd) {
   const div = document.createElement("div");
   div.className = "sample";
@@ -493,6 +508,12 @@ function sampleDiv(r, mode, promptEnd) {
         : "context (user, tool or environment tokens)";
       turn.appendChild(role);
       turn.appendChild(tokensOf(r, Math.max(t.start, promptEnd), t.end, mode));
+      for (const call of toolCalls(r.tokens.slice(t.start, t.end).join(""))) {
+        const c = document.createElement("div");
+        c.className = "tool-call";
+        c.textContent = "tool call: " + call;
+        turn.appendChild(c);
+      }
       div.appendChild(turn);
     }
   } else {
@@ -507,20 +528,29 @@ function showTab(name) {
   tab = name;
   for (const b of document.querySelectorAll("nav button")) b.classList.toggle("active", b.dataset.tab === name);
   for (const s of document.querySelectorAll("main > section")) s.classList.toggle("hidden", s.id !== "tab-" + name);
+  if (state.order.length) render().catch(err => say("error:server", err.message, "error"));
   refresh();
 }
 
-async function refresh() {
-  try {
-    await pollRuns();
-    unsay("error:server");
-  } catch (err) {
-    say("error:server", err.message, "error");
-    return;
-  }
+async function render() {
   if (tab === "curves") drawCharts();
   else if (tab === "events") drawEvents();
   else await loadSteps();
+}
+
+let refreshing = false;
+async function refresh() {
+  if (refreshing) return;  // a slow poll is still reading: offsets must not be read twice
+  refreshing = true;
+  try {
+    await pollRuns();
+    unsay("error:server");
+    await render();
+  } catch (err) {
+    say("error:server", err.message, "error");
+  } finally {
+    refreshing = false;
+  }
 }
 
 function init() {
