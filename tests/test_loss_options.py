@@ -145,7 +145,7 @@ def test_icepop_renormalize_takes_dropped_tokens_out_of_the_loss_mask():
 
     cfg = PPOActorConfig.model_validate({"ppo": {
         "behav_imp_weight_cap": 2.0, "behav_imp_weight_mode": "icepop",
-        "behav_imp_weight_renormalize": True}})
+        "behav_imp_weight_renormalize": True}, "proximal": {"proximal_logprobs": "recompute"}})
     behaviour = [0.0, -1.0, -1.0, -1.0, -1.0]
     # w = exp(prox - behav): 1 (prompt), e^1.0 = 2.72 > 2 (drop), 1.0, e^-1 = 0.37 < 0.5 (drop), 1.1
     prox = torch.tensor([0.0, 0.0, -1.0, -2.0, -1.0 + math.log(1.1)])

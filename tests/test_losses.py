@@ -350,7 +350,8 @@ def test_proximal_sources():
     loglinear_cfg = ProximalConfig(proximal_logprobs="loglinear")
     loglin = proximal_logprobs(loglinear_cfg, behav, current, versions, 5)
     assert loglin.tolist() == pytest.approx([-2.0, -1.5]) and not loglin.requires_grad
-    recompute = ProximalConfig()
+    recompute = ProximalConfig(proximal_logprobs="recompute")
+    assert ProximalConfig().proximal_logprobs == "loglinear"  # the default (README: why)
     assert recompute.needs_forward_pass
     assert proximal_logprobs(recompute, behav, recomputed=t([-0.5, -0.5])).tolist() == [-0.5, -0.5]
     with pytest.raises(ValueError, match="recompute"):

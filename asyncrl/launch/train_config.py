@@ -33,7 +33,7 @@ from asyncrl.reward.config import RewardConfig
 from asyncrl.rollout.answer_eval import EvalConfig
 from asyncrl.rollout.executor import RolloutConfig
 from asyncrl.train.config import (CriticConfig, OptimizerConfig, PolicyTrainConfig,
-                                  PPOActorConfig, ProximalConfig, lora_enabled)
+                                  PPOActorConfig, lora_enabled)
 
 CONFIG_FILE = "config.yaml"  # the resolved config of a run, in its directory
 BROADCASTS = ("nccl", "gloo")
@@ -161,8 +161,7 @@ class TrainRunConfig(Config):
     filter_uniform_groups: bool = True
     rollout: RolloutConfig = RolloutConfig(batch_size=16, max_concurrent_rollouts=64,
                                            max_head_offpolicyness=2)
-    # loglinear: the proximal policy without an extra forward pass (a third of a CPU step)
-    actor: PPOActorConfig = PPOActorConfig(proximal=ProximalConfig(proximal_logprobs="loglinear"))
+    actor: PPOActorConfig = PPOActorConfig()
     # the policy's engine; the LR schedule's horizon is total_steps * actor.ppo_n_minibatches and
     # its logprobs are taken at gconfig.temperature (the sampler's)
     train: PolicyTrainConfig = PolicyTrainConfig(

@@ -276,9 +276,11 @@ class AdvantageConfig(Config):
 
 
 class ProximalConfig(Config):
-    # the proximal policy's logprobs: a forward pass (recompute), interpolated between behaviour and
-    # current (loglinear), or the behaviour's
-    proximal_logprobs: ProximalSource = "recompute"
+    # the proximal policy's logprobs: interpolated between behaviour and current by version
+    # (loglinear: no extra forward pass), a forward pass before the step (recompute), or the
+    # behaviour's (naive PPO). loglinear and behaviour held eta = 0's accuracy at eta 4 and 8 in
+    # the staleness ablation; every recomputed variant lost 6-16 points (README).
+    proximal_logprobs: ProximalSource = "loglinear"
 
     @property
     def needs_forward_pass(self) -> bool:
