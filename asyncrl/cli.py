@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a run directory, or a directory of runs (shown side by side)")
     vw.add_argument("--host", default="127.0.0.1",
                     help="address to listen on (default 127.0.0.1: this machine only)")
-    vw.add_argument("--port", type=int, default=8600, help="0 picks a free port")
+    vw.add_argument("--port", type=int, default=8600, help="default 8600; 0 picks a free port")
     vw.add_argument("--api-key", default=None,
                     help="key the page's data routes need (or ASYNCRL_VIEW_API_KEY); required "
                          "with a --host other than loopback")
