@@ -101,7 +101,8 @@ def report(cells: list[dict], console: Console) -> None:
     table = Table(title="staleness ablation (chain job; held-out greedy accuracy after equal "
                         "training time; mean over seeds)")
     for col in ("eta", "objective", "mb", "lr", "seeds", "final", "last 3 evals", "best",
-                "final per seed", "steps", "staleness", "w max", "dropped", "vs eta=0"):
+                "final per seed", "steps", "staleness", "w max", "dropped", "clip frac",
+                "vs eta=0 (per seed)"):
         table.add_column(col, justify="right")
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
@@ -112,8 +113,14 @@ def report(cells: list[dict], console: Console) -> None:
             kv[0][2], kv[0][3], kv[0][0], order.index(kv[0][1]))):
         base = groups.get((0, "naive", mb, lr), [])
         late = statistics.mean(late_accuracy(c) for c in group)
-        vs = (f"{late - statistics.mean(late_accuracy(c) for c in base):+.1%}"
-              if base and eta else "")
+        vs = ""
+        if base and eta:
+            vs = f"{late - statistics.mean(late_accuracy(c) for c in base):+.1%}"
+            by_seed = {c["seed"]: late_accuracy(c) for c in base}
+            paired = [f"{100 * (late_accuracy(c) - by_seed[c['seed']]):+.1f}"
+                      for c in group if c["seed"] in by_seed]
+            vs += f" ({'/'.join(paired)})" if paired else ""
+        clip = [c.get("clip_frac", float("nan")) for c in group]
         table.add_row(str(eta), name, str(mb), f"{lr:g}", str(len(group)),
                       f"{statistics.mean(c['final'] for c in group):.1%}", f"{late:.1%}",
                       f"{statistics.mean(c['best'] for c in group):.1%}",
@@ -121,10 +128,12 @@ def report(cells: list[dict], console: Console) -> None:
                       " ".join(str(c["steps"]) for c in group),
                       f"{statistics.mean(c['staleness_mean'] for c in group):.2f}",
                       f"{statistics.mean(c['behav_weight_max'] for c in group):.2f}",
-                      f"{statistics.mean(c['behav_dropped_frac'] for c in group):.2%}", vs)
+                      f"{statistics.mean(c['behav_dropped_frac'] for c in group):.2%}",
+                      f"{min(clip):.1%}-{max(clip):.1%}", vs)
     console.print(table)
     console.print("vs eta=0: the last-3-evaluation mean against eta = 0 (naive) with the same "
-                  "minibatches and learning rate")
+                  "minibatches and learning rate; in brackets the paired difference of each seed "
+                  "(points); clip frac: the range over seeds of each run's mean clipped share")
 
 
 def main() -> None:
@@ -141,7 +150,7 @@ def main() -> None:
     ap.add_argument("--record", default=str(RECORD), help="'' to write no record")
     ap.add_argument("--from-record", default=None, help="print the table of a record, run nothing")
     args = ap.parse_args()
-    console = Console(width=170)
+    console = Console(width=200)
     if args.from_record:
         rec = json.loads(Path(args.from_record).read_text())
         for c in rec["cells"]:  # records of the main-job ablation predate these fields
@@ -156,7 +165,8 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--objectives {bad}: unknown; allowed {list(OBJECTIVES)}")
     record = Path(args.record) if args.record else None
-    cells = json.loads(record.read_text())["cells"] if record and record.is_file() else []
+    previous = json.loads(record.read_text()) if record and record.is_file() else {}
+    cells = previous.get("cells", [])
     plan = [{"eta": eta, "objective": name, "minibatches": mb, "lr": lr, "seed": seed,
              "seconds": args.seconds}
             for seed in map(int, args.seeds.split(","))
@@ -169,8 +179,10 @@ def main() -> None:
         if record is None:
             return
         record.parent.mkdir(parents=True, exist_ok=True)
+        command = "python benchmarks/staleness_ablation.py " + " ".join(sys.argv[1:])
+        commands = previous.get("commands", [previous["command"]] if "command" in previous else [])
         record.write_text(json.dumps({
-            "command": "python benchmarks/staleness_ablation.py " + " ".join(sys.argv[1:]),
+            "commands": commands + [command] * (command not in commands),
             "date": datetime.date.today().isoformat(), "config": args.config,
             "machine": {"cpus": torch.get_num_threads(), "processor": platform.processor(),
                         "torch": torch.__version__},
