@@ -97,18 +97,19 @@ def run_cells(plan: list[dict], cells: list[dict], config: str, out: Path, conso
         save(cells)
 
 
-def report(cells: list[dict], console: Console) -> None:
-    table = Table(title="staleness ablation (chain job; held-out greedy accuracy after equal "
-                        "training time; mean over seeds)")
-    for col in ("eta", "objective", "mb", "lr", "seeds", "final", "last 3 evals", "best",
-                "final per seed", "steps", "staleness", "w max", "dropped", "clip frac",
-                "vs eta=0 (per seed)"):
-        table.add_column(col, justify="right")
+COLUMNS = ("eta", "objective", "mb", "lr", "seeds", "final", "last 3 evals", "best",
+           "final per seed", "steps", "staleness", "w max", "dropped", "clip frac",
+           "vs eta=0 (per seed)")
+
+
+def table_rows(cells: list[dict]) -> list[tuple[str, ...]]:
+    """One row per (eta, objective, minibatches, lr), in COLUMNS' order."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
         groups.setdefault((c["eta"], c["objective"], c["minibatches"], c["lr"]), []).append(c)
     order = list(OBJECTIVES)
     order += sorted({c["objective"] for c in cells} - set(order))  # older records' names
+    rows = []
     for (eta, name, mb, lr), group in sorted(groups.items(), key=lambda kv: (
             kv[0][2], kv[0][3], kv[0][0], order.index(kv[0][1]))):
         base = groups.get((0, "naive", mb, lr), [])
@@ -119,17 +120,36 @@ def report(cells: list[dict], console: Console) -> None:
             by_seed = {c["seed"]: late_accuracy(c) for c in base}
             paired = [f"{100 * (late_accuracy(c) - by_seed[c['seed']]):+.1f}"
                       for c in group if c["seed"] in by_seed]
-            vs += f" ({'/'.join(paired)})" if paired else ""
+            vs += f" ({' / '.join(paired)})" if paired else ""
         clip = [c.get("clip_frac", float("nan")) for c in group]
-        table.add_row(str(eta), name, str(mb), f"{lr:g}", str(len(group)),
-                      f"{statistics.mean(c['final'] for c in group):.1%}", f"{late:.1%}",
-                      f"{statistics.mean(c['best'] for c in group):.1%}",
-                      " ".join(f"{c['final']:.1%}" for c in group),
-                      " ".join(str(c["steps"]) for c in group),
-                      f"{statistics.mean(c['staleness_mean'] for c in group):.2f}",
-                      f"{statistics.mean(c['behav_weight_max'] for c in group):.2f}",
-                      f"{statistics.mean(c['behav_dropped_frac'] for c in group):.2%}",
-                      f"{min(clip):.1%}-{max(clip):.1%}", vs)
+        steps = [c["steps"] for c in group]
+        rows.append((str(eta), name, str(mb), f"{lr:g}", str(len(group)),
+                     f"{statistics.mean(c['final'] for c in group):.1%}", f"{late:.1%}",
+                     f"{statistics.mean(c['best'] for c in group):.1%}",
+                     " / ".join(f"{100 * c['final']:.1f}" for c in group) + "%",
+                     f"{min(steps)}-{max(steps)}" if min(steps) != max(steps) else str(steps[0]),
+                     f"{statistics.mean(c['staleness_mean'] for c in group):.2f}",
+                     f"{statistics.mean(c['behav_weight_max'] for c in group):.2f}",
+                     f"{statistics.mean(c['behav_dropped_frac'] for c in group):.2%}",
+                     f"{min(clip):.1%}-{max(clip):.1%}" if min(clip) != max(clip)
+                     else f"{clip[0]:.1%}", vs))
+    return rows
+
+
+def report(cells: list[dict], console: Console, markdown: bool = False) -> None:
+    rows = table_rows(cells)
+    if markdown:  # the README's table
+        print("| " + " | ".join(COLUMNS) + " |")
+        print("|" + "---|" * len(COLUMNS))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    table = Table(title="staleness ablation (chain job; held-out greedy accuracy after equal "
+                        "training time; mean over seeds)")
+    for col in COLUMNS:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     console.print("vs eta=0: the last-3-evaluation mean against eta = 0 (naive) with the same "
                   "minibatches and learning rate; in brackets the paired difference of each seed "
@@ -149,6 +169,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value for every run (recorded)")
     ap.add_argument("--record", default=str(RECORD), help="'' to write no record")
     ap.add_argument("--from-record", default=None, help="print the table of a record, run nothing")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     args = ap.parse_args()
     console = Console(width=200)
     if args.from_record:
@@ -158,7 +179,7 @@ def main() -> None:
             c.setdefault("lr", 2e-4)
             for k in ("behav_weight_max", "behav_dropped_frac"):
                 c.setdefault(k, float("nan"))
-        report(rec["cells"], console)
+        report(rec["cells"], console, args.markdown)
         return
     objectives = args.objectives.split(",")
     bad = [o for o in objectives if o not in OBJECTIVES]
@@ -189,7 +210,7 @@ def main() -> None:
             "overrides": args.overrides, "cells": cells}, indent=1))
 
     run_cells(plan, cells, args.config, Path(args.out), console, args.overrides, save)
-    report(cells, console)
+    report(cells, console, args.markdown)
 
 
 if __name__ == "__main__":
