@@ -131,8 +131,7 @@ def table_rows(cells: list[dict]) -> list[tuple[str, ...]]:
                      f"{statistics.mean(c['staleness_mean'] for c in group):.2f}",
                      f"{statistics.mean(c['behav_weight_max'] for c in group):.2f}",
                      f"{statistics.mean(c['behav_dropped_frac'] for c in group):.2%}",
-                     f"{min(clip):.1%}-{max(clip):.1%}" if min(clip) != max(clip)
-                     else f"{clip[0]:.1%}", vs))
+                     "-".join(dict.fromkeys((f"{min(clip):.1%}", f"{max(clip):.1%}"))), vs))
     return rows
 
 
