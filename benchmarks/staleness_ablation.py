@@ -202,6 +202,7 @@ def main() -> None:
         command = "python benchmarks/staleness_ablation.py " + " ".join(sys.argv[1:])
         commands = previous.get("commands", [previous["command"]] if "command" in previous else [])
         record.write_text(json.dumps({
+            **{k: v for k, v in previous.items() if k != "command"},  # keep notes made by hand
             "commands": commands + [command] * (command not in commands),
             "date": datetime.date.today().isoformat(), "config": args.config,
             "machine": {"cpus": torch.get_num_threads(), "processor": platform.processor(),
