@@ -102,13 +102,17 @@ COLUMNS = ("eta", "objective", "mb", "lr", "seeds", "final", "last 3 evals", "be
            "vs eta=0 (per seed)")
 
 
+def objective_order(cells: list[dict]) -> list[str]:
+    """OBJECTIVES' order, then any other name in the cells (older records' names)."""
+    return list(OBJECTIVES) + sorted({c["objective"] for c in cells} - set(OBJECTIVES))
+
+
 def table_rows(cells: list[dict]) -> list[tuple[str, ...]]:
     """One row per (eta, objective, minibatches, lr), in COLUMNS' order."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
         groups.setdefault((c["eta"], c["objective"], c["minibatches"], c["lr"]), []).append(c)
-    order = list(OBJECTIVES)
-    order += sorted({c["objective"] for c in cells} - set(order))  # older records' names
+    order = objective_order(cells)
     rows = []
     for (eta, name, mb, lr), group in sorted(groups.items(), key=lambda kv: (
             kv[0][2], kv[0][3], kv[0][0], order.index(kv[0][1]))):
@@ -155,8 +159,7 @@ def tuned_rows(cells: list[dict]) -> list[tuple[str, ...]]:
         return max(((lr, g) for lr, g in by_lr.items() if len(g) == most),
                    key=lambda kv: statistics.mean(late_accuracy(c) for c in kv[1]))
 
-    order = list(OBJECTIVES)
-    order += sorted({c["objective"] for c in cells} - set(order))
+    order = objective_order(cells)
     rows = []
     for (mb, eta, name), by_lr in sorted(groups.items(), key=lambda kv: (
             kv[0][0], kv[0][1], order.index(kv[0][2]))):
@@ -191,22 +194,22 @@ def report(cells: list[dict], console: Console, markdown: bool = False) -> None:
         print()
         print_markdown(TUNED_COLUMNS, tuned_rows(cells))
         return
-    table = Table(title="staleness ablation (chain job; held-out greedy accuracy after equal "
-                        "training time; mean over seeds)")
-    for col in COLUMNS:
-        table.add_column(col, justify="right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    console.print(rich_table("staleness ablation (chain job; held-out greedy accuracy after equal "
+                             "training time; mean over seeds)", COLUMNS, rows))
     console.print("vs eta=0: the last-3-evaluation mean against eta = 0 (naive) with the same "
                   "minibatches and learning rate; in brackets the paired difference of each seed "
                   "(points); clip frac: the range over seeds of each run's mean clipped share")
-    tuned = Table(title="each cell at its best learning rate")
-    for col in TUNED_COLUMNS:
-        tuned.add_column(col, justify="right")
-    for row in tuned_rows(cells):
-        tuned.add_row(*row)
-    console.print(tuned)
+    console.print(rich_table("each cell at its best learning rate", TUNED_COLUMNS,
+                             tuned_rows(cells)))
+
+
+def rich_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def shown(path: str) -> str:
