@@ -136,13 +136,17 @@ def engine_for(url: str) -> RemoteInferenceEngine:
                                  make_backend("vllm", images=True))
 
 
-def trainer_logprobs(model_dir: Path, prompt, output: list[int]) -> list[float]:
+def reference(model_dir: Path) -> HFTrainEngine:
+    """The trainer's forward pass over `model_dir`'s weights (fp32, CPU)."""
+    return HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(device="cpu"),
+                         trainable=False)
+
+
+def trainer_logprobs(trainer: HFTrainEngine, prompt, output: list[int]) -> list[float]:
     """What the trainer computes for `output` after the prompt with its images."""
     sample = Sample.from_prompt_and_completion(prompt.input_ids, output, [0.0] * len(output),
                                                [0] * len(output))
     sample.images = prompt.image_inputs()
-    trainer = HFTrainEngine(load_causal_lm(model_dir), TrainEngineConfig(device="cpu"),
-                            trainable=False)
     logprobs = trainer.forward([sample])[0]
     return [float(v) for v, m in zip(logprobs, sample.loss_mask) if m]
 
@@ -157,9 +161,10 @@ def test_the_backend_sends_image_prompts_with_the_trainers_logprobs(server, vl_d
                                                            images=prompt.image_inputs())))
                  for i in range(3)]
     engine.close()
+    v0 = reference(vl_dir)
     for r in responses:
         assert len(r.output_tokens) > 0 and set(r.output_versions) == {0}
-        ours = trainer_logprobs(vl_dir, prompt, r.output_tokens)
+        ours = trainer_logprobs(v0, prompt, r.output_tokens)
         diff = max(abs(a - b) for a, b in zip(ours, r.output_logprobs))
         assert diff < 1e-4, (diff, r.output_tokens)
 
@@ -170,25 +175,28 @@ def test_a_weight_update_mid_generation_continues_image_prompts(server, vl_dir, 
         for n in (1, 2, 3, 4)]
     v1_dir = perturbed(vl_dir, tmp_path / "v1")
     engine = engine_for(server)
-    # as long as the model allows (1024 positions): on a loaded 2-core machine the pause has
-    # landed after all 16 calls of 300 tokens ended, 3 rounds in a row (pause_rounds.py)
+    # The random model (128 tokens, 4 of them stop a call: EOS and the vision ids) ends a call
+    # after ~30 tokens on average, so 16 calls had all ended when the pause landed, 5 rounds in
+    # a row in CI (the pause travels through a busy API server). 64 calls on a server that
+    # runs 8 at a time keep it generating for ~2000 tokens: whenever the pause lands before
+    # the queue drains, 8 calls are mid-generation.
     g = GenerationConfig(max_new_tokens=900, temperature=1.0, top_p=1.0, top_k=0)
     responses = interrupt_with_update(
         engine, lambda k: [ModelRequest(p.input_ids, g, rid=f"img-mix-{k}-{i}",
                                         images=p.image_inputs())
-                           for i, p in enumerate(prompts * 4)],
+                           for i, p in enumerate(prompts * 16)],
         tokens=lambda: metric(server, "vllm:generation_tokens_total"), after=50,
-        update=lambda: engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1)),
-        rounds=5)  # the random model ends most calls early: 3 of 16 ran on here at the pause
+        update=lambda: engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1)))
     engine.close()
     mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
     assert mixed, [sorted(set(r.output_versions)) for r in responses]
+    trainers = {0: reference(vl_dir), 1: reference(v1_dir)}
     for i, r in enumerate(responses):
         assert r.output_versions == sorted(r.output_versions)  # v0 tokens, then v1 tokens
-        for version, model_dir in ((0, vl_dir), (1, v1_dir)):
+        for version, trainer in trainers.items():
             idx = [j for j, v in enumerate(r.output_versions) if v == version]
             if idx:
-                ours = trainer_logprobs(model_dir, prompts[i % 4], r.output_tokens)
+                ours = trainer_logprobs(trainer, prompts[i % 4], r.output_tokens)
                 bad = [(j, round(abs(ours[j] - r.output_logprobs[j]), 4)) for j in idx
                        if abs(ours[j] - r.output_logprobs[j]) > 1e-3]
                 assert not bad, f"version {version} tokens differ from its weights: {bad[:10]}"
