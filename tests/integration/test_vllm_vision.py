@@ -28,12 +28,13 @@ from PIL import Image, ImageDraw
 
 from asyncrl.api import GenerationConfig, ModelRequest, Sample, WeightUpdateMeta
 from asyncrl.inference.config import EngineSettings, RemoteEngineConfig
+from asyncrl.inference.model_runner import read_eos_ids
 from asyncrl.inference.remote import RemoteInferenceEngine
 from asyncrl.launch.local_servers import LocalServers
 from asyncrl.models.export import untied_copy
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.presets import build_preset_model
-from asyncrl.models.vision import VisionPromptEncoder
+from asyncrl.models.vision import VisionPromptEncoder, vlm_forward_kwargs
 from asyncrl.train.config import TrainEngineConfig
 from asyncrl.train.engine import HFTrainEngine
 from train_helpers import make_backend, server_command
@@ -169,6 +170,26 @@ def test_the_backend_sends_image_prompts_with_the_trainers_logprobs(server, vl_d
         assert diff < 1e-4, (diff, r.output_tokens)
 
 
+def min_tokens_logprobs(trainer: HFTrainEngine, prompt, output: list[int],
+                        stops: set[int]) -> list[float]:
+    """What vLLM reports (processed logprobs) for `output` sampled with min_tokens >= its
+    length: the trainer's logprobs renormalised without the `stops` (EOS and the vision ids the
+    call stops on), which min_tokens masks before the logprobs are computed."""
+    ids = torch.tensor([list(prompt.input_ids) + list(output)])
+    is_prompt = torch.zeros_like(ids, dtype=torch.bool)
+    is_prompt[0, :len(prompt.input_ids)] = True
+    kwargs = vlm_forward_kwargs(trainer.model, ids, is_prompt, [prompt.image_inputs()])
+    with torch.no_grad():
+        logits = trainer.model(**kwargs).logits[0, len(prompt.input_ids) - 1:-1].float()
+    full = torch.log_softmax(logits, -1)
+    kept = torch.ones(full.shape[-1], dtype=torch.bool)
+    kept[sorted(stops)] = False
+    mass = torch.logsumexp(full[:, kept], -1)  # log(1 - P(stop)) at each position
+    ours = torch.tensor(trainer_logprobs(trainer, prompt, output))
+    assert torch.allclose(ours, full.gather(-1, torch.tensor(output)[:, None])[:, 0], atol=1e-5)
+    return (ours - mass).tolist()
+
+
 def test_a_weight_update_mid_generation_continues_image_prompts(server, vl_dir, tmp_path):
     prompts = [VisionPromptEncoder.from_model_dir(vl_dir).encode(messages(scene(
         [("circle", (5 + 20 * k, 10, 20 + 20 * k, 25), "red") for k in range(n)])))
@@ -176,27 +197,30 @@ def test_a_weight_update_mid_generation_continues_image_prompts(server, vl_dir, 
     v1_dir = perturbed(vl_dir, tmp_path / "v1")
     engine = engine_for(server)
     # The random model (128 tokens, 4 of them stop a call: EOS and the vision ids) ends a call
-    # after ~30 tokens on average, so 16 calls had all ended when the pause landed, 5 rounds in
-    # a row in CI (the pause travels through a busy API server). 64 calls on a server that
-    # runs 8 at a time keep it generating for ~2000 tokens: whenever the pause lands before
-    # the queue drains, 8 calls are mid-generation.
-    g = GenerationConfig(max_new_tokens=900, temperature=1.0, top_p=1.0, top_k=0)
+    # after ~30 tokens on average: in CI every call had ended before the pause crossed the busy
+    # API server, 3 rounds in a row, with 16 calls and with 64. With min_tokens every call
+    # generates 600 tokens: 32 calls on a server that runs 8 at a time are ~2400 steps of work.
+    n = 600
+    g = GenerationConfig(max_new_tokens=n, min_new_tokens=n, temperature=1.0, top_p=1.0, top_k=0)
     responses = interrupt_with_update(
         engine, lambda k: [ModelRequest(p.input_ids, g, rid=f"img-mix-{k}-{i}",
                                         images=p.image_inputs())
-                           for i, p in enumerate(prompts * 16)],
+                           for i, p in enumerate(prompts * 8)],
         tokens=lambda: metric(server, "vllm:generation_tokens_total"), after=50,
         update=lambda: engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1)))
     engine.close()
     mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
     assert mixed, [sorted(set(r.output_versions)) for r in responses]
+    stops = set(read_eos_ids(vl_dir, json.loads((vl_dir / "config.json").read_text())))
+    stops |= set(prompts[0].image_inputs().vision_ids)
     trainers = {0: reference(vl_dir), 1: reference(v1_dir)}
     for i, r in enumerate(responses):
+        assert len(r.output_tokens) == n and not stops & set(r.output_tokens)
         assert r.output_versions == sorted(r.output_versions)  # v0 tokens, then v1 tokens
         for version, trainer in trainers.items():
             idx = [j for j, v in enumerate(r.output_versions) if v == version]
             if idx:
-                ours = trainer_logprobs(trainer, prompts[i % 4], r.output_tokens)
+                ours = min_tokens_logprobs(trainer, prompts[i % 4], r.output_tokens, stops)
                 bad = [(j, round(abs(ours[j] - r.output_logprobs[j]), 4)) for j in idx
                        if abs(ours[j] - r.output_logprobs[j]) > 1e-3]
                 assert not bad, f"version {version} tokens differ from its weights: {bad[:10]}"
