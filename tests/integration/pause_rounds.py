@@ -199,15 +199,16 @@ def eval_through_a_local_server(backend: str, python: str, model_dir: Path, out:
 
 
 def metric(url: str, name: str) -> float:
-    """A vLLM server's Prometheus metric `name`, summed over its label sets."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    """A vLLM server's Prometheus metric `name`, summed over its label sets. (A long timeout:
+    busy generating on 2 shared cores, a server's API process has taken 9 s to answer here.)"""
+    text = httpx.get(url + "/metrics", timeout=60).text
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$",
                                                        text, re.M))
 
 
 def metric_label(url: str, name: str, finished_reason: str) -> float:
     """A vLLM counter `name` for one `finished_reason` label."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=60).text
     return sum(float(m.group(1)) for m in re.finditer(
         rf'^{re.escape(name)}{{[^}}]*finished_reason="{finished_reason}"[^}}]*}} (\S+)$', text, re.M))
 
