@@ -78,19 +78,19 @@ def check_served_logprobs(engine: RemoteInferenceEngine, model_dir: Path, prompt
         assert diff < 1e-4, f"T={t}: served logprobs differ from the trainer's by {diff}"
 
 
-def check_versions(responses: list[ModelResponse], prompt: list[int], models: dict) -> None:
+def check_versions(responses: list[ModelResponse],
+                   score: Callable[[int, ModelResponse, int], list[float]]) -> None:
     """Some sequences carry both versions, each token in order, each with the logprobs of the
-    weights that sampled it (`models`: version -> model)."""
+    weights that sampled it (`score(i, response, version)`: the trainer's logprobs of response
+    i's tokens under that version's weights)."""
     mixed = [r for r in responses if set(r.output_versions) == {0, 1}]
     assert mixed, [sorted(set(r.output_versions)) for r in responses]
-    for r in responses:
+    for n, r in enumerate(responses):
         assert r.stop_reason.value in ("stop", "length")
         assert r.output_versions == sorted(r.output_versions)  # v0 tokens, then v1 tokens
-        for version, model in models.items():
+        for version in sorted(set(r.output_versions)):
             idx = [i for i, v in enumerate(r.output_versions) if v == version]
-            if not idx:
-                continue
-            ours = hf_logprobs(model, prompt, r.output_tokens)
+            ours = score(n, r, version)
             bad = [(i, round(abs(ours[i] - r.output_logprobs[i]), 4)) for i in idx
                    if abs(ours[i] - r.output_logprobs[i]) > 1e-3]
             assert not bad, (f"version {version} tokens differ from its weights at (position, "
@@ -137,9 +137,10 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
         kill = running >= 1 and generated - before <= running * length * 3 / 4
         if kill:
             os.killpg(servers.procs[1].pid, signal.SIGKILL)
-        print(f"round {attempt}: server 1 had generated {generated - before:.0f} tokens for "
-              f"{running:.0f} running calls of {length} when the client had read "
-              f"{client_tokens() - seen}: {'killed' if kill else 'too far, run again'}")
+        server = (f"server 1 had generated {generated - before:.0f} tokens for {running:.0f} "
+                  f"running calls of {length}" if progress else "server 1 (no count of its own)")
+        print(f"round {attempt}: {server} when the client had read {client_tokens() - seen}: "
+              f"{'killed' if kill else 'too far, run again'}")
         return kill, await asyncio.gather(*tasks), engine.stats()
 
     try:

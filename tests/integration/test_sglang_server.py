@@ -98,7 +98,7 @@ def test_pause_update_resume_gives_both_versions_with_matching_logprobs(servers,
         engine, lambda k: [ModelRequest(PROMPT, g, rid=f"mix-{k}-{i}") for i in range(8)],
         tokens=lambda: received(engine), after=200,
         update=lambda: engine.update_weights(WeightUpdateMeta.from_disk(str(v1_dir), 1)))
-    check_versions(responses, PROMPT, {0: v0, 1: v1})
+    check_versions(responses, lambda i, r, v: hf_logprobs((v0, v1)[v], PROMPT, r.output_tokens))
     check = LogprobCheck(scorer(v1), [PROMPT], 1.0, 1e-3)
     metrics = asyncio.run(check.run(engine, 1))
     engine.close()
