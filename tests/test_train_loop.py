@@ -89,14 +89,17 @@ def test_short_loop_through_two_http_servers(model_dir, tmp_path):
 
 def test_inprocess_loop_then_resume_continues_the_curve(model_dir, tmp_path):
     run = tmp_path / "run"
+    # pinned to the CPU: the 1e-3 trainer/sampler check below is an fp32 one (bf16 on CUDA is the
+    # gpu tests' tolerance)
+    cpu = {"train.device": "cpu", "inference.engine.device": "cpu"}
     first = Trainer(small_config(model_dir, run, total_steps=2, checkpoint_every=1,
-                                 **{"inference.weight_sync": "disk"})).train(reward=digit_reward)
+                                 **{"inference.weight_sync": "disk", **cpu})).train(reward=digit_reward)
     assert first.steps == 2
     # disk sync: each version written as a HF dir, only the newest two kept
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["v1", "v2"]
     # the resumed part also runs the KL-to-reference path and pass@k evals
     cfg = small_config(model_dir, run, total_steps=4, checkpoint_every=1,
-                       **{"actor.ppo.kl_coef": 0.05, "eval.pass_k": [2]})
+                       **{"actor.ppo.kl_coef": 0.05, "eval.pass_k": [2], **cpu})
     second = Trainer(cfg, run_dir=run).train(reward=digit_reward, resume=True)
     assert second.steps == 4
     late = [m for m in metrics(run) if m["step"] > 2]
