@@ -19,7 +19,7 @@ matmuls and the optimizer step.
 
 Run from the repository root:
 
-    python benchmarks/bench_lora.py                                   # the 6.3M tiny model
+    python benchmarks/bench_lora.py                                   # the 6.4M tiny model
     asyncrl build-model --preset qwen2.5-0.5b /tmp/qwen05             # 494M, random weights
     python benchmarks/bench_lora.py --model /tmp/qwen05 --samples 4 --max-len 64 --steps 2
 """

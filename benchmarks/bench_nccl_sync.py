@@ -45,9 +45,9 @@ def preset_shapes(preset: str) -> dict[str, tuple[int, ...]]:
     if preset == TINY:
         from asyncrl.models.tiny import tiny_hf_config
         from asyncrl.models.config import TinyModelConfig
-        from asyncrl.models.tokenizer import build_char_tokenizer
+        from asyncrl.models.tokenizer import build_byte_tokenizer
 
-        hf_config = tiny_hf_config(TinyModelConfig(), len(build_char_tokenizer()))
+        hf_config = tiny_hf_config(TinyModelConfig(), len(build_byte_tokenizer()))
     else:
         hf_config = preset_hf_config(preset)
     with torch.device("meta"):

@@ -1,6 +1,6 @@
 """Training throughput of `HFTrainEngine` (packed, micro-batched) vs a plain padded HF loop.
 
-Both sides train the same 6.3M-parameter tiny Qwen2 (`TinyModelConfig()` defaults, built into a
+Both sides train the same 6.4M-parameter tiny Qwen2 (`TinyModelConfig()` defaults, built into a
 temp dir, two identical copies) on the same variable-length samples (default 64, lengths uniform
 in [16, --max-len]); one step = all samples, one AdamW step. The baseline is the ordinary
 transformers loop: samples in their given order, chunks of --hf-batch right-padded to the chunk's

@@ -1,6 +1,6 @@
 """The built-in engine vs transformers `generate` on the embedded tiny VLM, in one run.
 
-The tiny Qwen2-VL (`asyncrl build-model --preset tiny-vl`: 6.6M parameters, 112-px images -> 16
+The tiny Qwen2-VL (`asyncrl build-model --preset tiny-vl`: 6.7M parameters, 112-px images -> 16
 image tokens) and `--batches` of rendered counting prompts (one image each, 64 prompt tokens) go
 through transformers `generate` and the engine on both of its runners: the compact model
 (`native`: vision tower once per prompt, M-RoPE, KV cache, C++ decode kernels) and the

@@ -13,7 +13,7 @@ from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.models.chat import encode_chat_prompt, render_chat
 from asyncrl.models.chat_options import ChatOptions
 from asyncrl.models.reasoning import reasoning_parser
-from asyncrl.models.tokenizer import CHAT_TEMPLATE, build_char_tokenizer
+from asyncrl.models.tokenizer import CHAT_TEMPLATE, build_byte_tokenizer
 from asyncrl.models.tool_parsers import TOOL_PARSERS, tool_parser
 from asyncrl.rollout.answer_eval import EvalConfig, evaluate
 from asyncrl.rollout.arithmetic_env import ArithmeticEnv, ChatAgent
@@ -40,7 +40,7 @@ ROW = {"id": 1, "messages": [{"role": "user", "content": "2+3="}], "answer": "5"
 
 @pytest.fixture(scope="module")
 def tok():
-    t = build_char_tokenizer()
+    t = build_byte_tokenizer()
     t.chat_template = THINKING_TEMPLATE
     return t
 

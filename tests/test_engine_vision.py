@@ -17,6 +17,7 @@ from asyncrl.models.presets import build_preset_model
 from asyncrl.models.tiny import build_tiny_model
 from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.vision import VisionPromptEncoder
+from asyncrl.models.tiny_vl import IMAGE_PAD_ID
 from asyncrl.train.config import TrainEngineConfig
 from asyncrl.train.engine import HFTrainEngine
 
@@ -129,7 +130,7 @@ def test_a_weight_update_mid_generation_continues_each_sequence(vl_dir, tmp_path
 def test_requests_the_engine_cannot_serve_are_refused(vl_dir, tmp_path):
     p = prompt(vl_dir, 2)
     engine = LLMEngine(EngineConfig(model_path=str(vl_dir)))
-    first_pad = p.input_ids.index(103)
+    first_pad = p.input_ids.index(IMAGE_PAD_ID)
     short = ModelRequest(p.input_ids[:first_pad] + p.input_ids[first_pad + 4:],
                          images=p.image_inputs())  # 4 of its 16 image tokens dropped
     with pytest.raises(ValueError, match="image tokens but its images' grids need 16"):

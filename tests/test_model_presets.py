@@ -102,7 +102,7 @@ def test_tokenizer_round_trips_text_and_chat(small_tokenizer, tmp_path):
     assert ids.count(151644) == 3 and ids.count(151645) == 3
     assert tok.decode(ids) == rendered
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["tokenizer_class"] == "Qwen2Tokenizer"
 
 
 def test_fill_is_exact_deterministic_and_valid():

@@ -1,9 +1,10 @@
-"""Models: char tokenizer + chat template, tiny model builder, local loading, tiny-model cache."""
+"""Models: byte tokenizer + chat template, tiny model builder, local loading, tiny-model cache."""
 
 from __future__ import annotations
 
 import json
 import re
+import unicodedata
 
 import jinja2
 import pytest
@@ -19,7 +20,7 @@ from asyncrl.models.loading import ModelLoadError, default_model_dir, ensure_tin
 from asyncrl.models.config import ModelConfig
 from asyncrl.models.tiny import build_tiny_model, build_tiny_model_in_memory
 from asyncrl.models.config import TinyModelConfig
-from asyncrl.models.tokenizer import build_char_tokenizer, save_tokenizer
+from asyncrl.models.tokenizer import build_byte_tokenizer, save_tokenizer
 from asyncrl.models.chat import stop_at_eos
 from asyncrl.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
 
@@ -40,7 +41,7 @@ RENDERED = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_char_tokenizer()
+    return build_byte_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +59,26 @@ def test_special_tokens_have_fixed_ids_and_are_single_tokens(tokenizer):
         a, b = tokenizer.encode("a")[0], tokenizer.encode("b")[0]
         assert tokenizer.encode(f"a{tok}b") == [a, i, b]
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 3, 4)
-    assert len(tokenizer) == 5 + 1 + 95
+    assert len(tokenizer) == 5 + 256  # one id per byte
 
 
-def test_no_bos_is_prepended_and_unknown_chars_become_unk(tokenizer):
+def test_no_bos_is_prepended_and_other_text_is_bytes(tokenizer):
     assert tokenizer.encode("ab") == tokenizer.encode("a") + tokenizer.encode("b")
     assert len(tokenizer.encode("ab")) == 2
-    assert tokenizer.encode("a\té") == [tokenizer.encode("a")[0], 4, 4]
+    # ASCII keeps its ids (newline 5, space 6, "!".."~" 7..100); other bytes are 101..260
+    assert tokenizer.encode("\n !~") == [5, 6, 7, 100]
+    ids = tokenizer.encode("a\té日")
+    assert len(ids) == 1 + 1 + 2 + 3 and all(100 < i < 261 for i in ids[1:])
+    assert tokenizer.decode(ids) == "a\té日"
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text(max_size=60))
+def test_any_text_round_trips_without_unk(tokenizer, reloaded, text):
+    ids = tokenizer.encode(text)
+    assert 4 not in ids
+    assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)  # Qwen2's normaliser
+    assert reloaded[0].encode(text) == ids
 
 
 @settings(max_examples=50, deadline=None)
@@ -81,9 +95,10 @@ def test_round_trip_is_exact(tokenizer, reloaded, text):
 def test_saved_tokenizer_is_portable_and_identical(tokenizer, reloaded):
     tok2, out = reloaded
     config = json.loads((out / "tokenizer_config.json").read_text())
-    # Inline template and the 4.x class name: loadable by the transformers a vLLM release pins.
+    # Inline template and a class both 4.x and 5.x know: loadable by the transformers a vLLM
+    # release pins.
     assert config["chat_template"] == tokenizer.chat_template
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["tokenizer_class"] == "Qwen2Tokenizer"
     specials = (tok2.pad_token_id, tok2.eos_token_id, tok2.unk_token_id, tok2.bos_token)
     assert specials == (0, 3, 4, None)
     text = "<|im_start|>user\nhi there, 1 + 2 = 3?<|im_end|>\n"
@@ -206,7 +221,7 @@ def test_tiny_model_saves_and_loads_with_identical_logits(arch, tmp_path):
     assert config["dtype"] == config["torch_dtype"] == "float32"
     assert config["rope_theta"] == 10000.0
     assert (config["eos_token_id"], config["pad_token_id"], config["bos_token_id"]) == (3, 0, 1)
-    assert config["vocab_size"] == 128  # 101 ids padded to a multiple of 64
+    assert config["vocab_size"] == 320  # 261 ids padded to a multiple of 64
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 3
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -215,7 +230,7 @@ def test_tiny_model_saves_and_loads_with_identical_logits(arch, tmp_path):
 def test_default_tiny_model_has_about_6m_parameters():
     model, _ = build_tiny_model_in_memory(TinyModelConfig())
     count = sum(p.numel() for p in model.parameters())  # tied embeddings count once
-    assert count == 6_332_672  # the number quoted in tiny.py's docstring
+    assert count == 6_381_824  # the number quoted in tiny.py's docstring
     assert 5_000_000 <= count <= 7_000_000
 
 

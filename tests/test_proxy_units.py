@@ -1,5 +1,5 @@
 """Pure parts of the proxy: tool-call parsing, reward assignment and discounting, exports,
-prompt reuse with the real character tokenizer and chat template."""
+prompt reuse with the real tiny byte tokenizer and chat template."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 
 from asyncrl.api import StopReason
 from asyncrl.models.chat import render_chat
-from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.models.tokenizer import build_byte_tokenizer
 from asyncrl.proxy.errors import NotFoundError
 from asyncrl.proxy.export import export_concat, export_individual, export_session
 from asyncrl.proxy.prompt_reuse import build_prompt
@@ -18,7 +18,7 @@ from asyncrl.reward.returns import raw_rewards, session_returns
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_char_tokenizer()
+    return build_byte_tokenizer()
 
 
 # ---- tool calls ---------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_second_turn_reuses_the_exact_sampled_ids(tok):
     ids, parent, drift = build_prompt(tok, second, None, [c1])
     assert parent is c1
     assert ids[:len(c1.prompt_ids) + len(c1.output_ids)] == c1.prompt_ids + c1.output_ids
-    # For plain text the character tokenizer re-renders identically: no drift either way.
+    # For plain text the tiny tokenizer re-renders identically: no drift either way.
     assert ids == tok.encode(render_chat(tok, second, True), add_special_tokens=False)
     assert drift == 0
 

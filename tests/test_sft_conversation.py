@@ -12,7 +12,7 @@ from asyncrl.data.split import DatasetError
 from asyncrl.errors import UserError
 from asyncrl.launch import sft as sft_launch
 from asyncrl.models.tiny import build_tiny_model_in_memory
-from asyncrl.models.tokenizer import CHAT_TEMPLATE, IM_END_ID, IM_START_ID, build_char_tokenizer
+from asyncrl.models.tokenizer import CHAT_TEMPLATE, IM_END_ID, IM_START_ID, build_byte_tokenizer
 from asyncrl.launch.sft_config import SFTRunConfig
 from asyncrl.train.config import OptimizerConfig, SFTConfig, TrainEngineConfig
 from asyncrl.train.engine import HFTrainEngine
@@ -36,7 +36,7 @@ CALL_TEXT = '<tool_call>{"name":"calc","arguments":{"expr":"12*34"}}</tool_call>
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_char_tokenizer()
+    return build_byte_tokenizer()
 
 
 def runs(tok, ids, mask, flag):
@@ -104,7 +104,7 @@ def test_build_examples_mixes_row_kinds_and_label_noise_skips_conversations(tok)
     (CHAT_TEMPLATE.replace("<|im_end|>", "<|endoftext|>"), "without the EOS token"),
 ])
 def test_templates_that_hide_turn_boundaries_are_rejected(template, match):
-    bad = build_char_tokenizer()
+    bad = build_byte_tokenizer()
     bad.chat_template = template
     with pytest.raises(UserError, match=f"row 't1'.*{match}"):
         assistant_spans(bad, TOOL_ROW)

@@ -8,7 +8,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from asyncrl.models.presets import build_preset_model, check_preset
-from asyncrl.models.tokenizer import build_char_tokenizer
+from asyncrl.models.tokenizer import build_byte_tokenizer
+from asyncrl.models.tiny_vl import IMAGE_PAD_ID, VISION_START_ID
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,7 +48,8 @@ def test_tiny_vl_is_a_qwen2_vl_that_transformers_loads_and_runs(vl_dir):
     assert check_preset("tiny-vl") == "tiny-vl"
     model = transformers.AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
-    assert model.config.image_token_id == 103 and model.config.vision_start_token_id == 101
+    assert model.config.image_token_id == IMAGE_PAD_ID == 263
+    assert model.config.vision_start_token_id == VISION_START_ID == 261
     text, inputs = model_inputs(vl_dir, scene([("circle", (10, 10, 40, 40), "red")]))
     assert text == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>How many "
                     "objects are there?<|im_end|>\n<|im_start|>assistant\n")
@@ -55,7 +57,7 @@ def test_tiny_vl_is_a_qwen2_vl_that_transformers_loads_and_runs(vl_dir):
     assert int(inputs["mm_token_type_ids"].sum()) == 16  # 2 x 2 merged -> 16 image tokens
     with torch.no_grad():
         logits = model(**inputs).logits
-    assert logits.shape == (1, inputs["input_ids"].shape[1], 128)
+    assert logits.shape == (1, inputs["input_ids"].shape[1], 320)  # 265 ids padded
     assert torch.isfinite(logits).all()
     # the image reaches the answer: another scene, other next-token logits
     _, other = model_inputs(vl_dir, scene([("square", (50, 50, 100, 100), "blue"),
@@ -68,14 +70,14 @@ def test_tiny_vl_is_a_qwen2_vl_that_transformers_loads_and_runs(vl_dir):
 
 def test_tiny_vl_tokenizer_renders_text_as_the_text_model_does(vl_dir):
     vl = transformers.AutoTokenizer.from_pretrained(vl_dir)
-    text = build_char_tokenizer()
+    text = build_byte_tokenizer()
     messages = [{"role": "user", "content": "1+2="},
                 {"role": "assistant", "content": [{"type": "text", "text": "3"}]}]
     assert vl.apply_chat_template(messages, tokenize=False) == text.apply_chat_template(
         messages, tokenize=False)
-    assert vl("1+2=")["input_ids"] == text("1+2=")["input_ids"]  # ids 0-100 unchanged
+    assert vl("1+2= é")["input_ids"] == text("1+2= é")["input_ids"]  # ids 0-260 unchanged
     assert vl.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                                     "<|video_pad|>"]) == [101, 102, 103, 104]
+                                     "<|video_pad|>"]) == [261, 262, 263, 264]
 
 
 def test_unknown_preset_names_tiny_vl_among_the_allowed():

@@ -13,6 +13,7 @@ from asyncrl.api import Sample
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.presets import build_preset_model
 from asyncrl.models.vision import VisionPromptEncoder
+from asyncrl.models.tiny_vl import IMAGE_PAD_ID, VISION_START_ID
 from asyncrl.train.config import LoraConfig, OptimizerConfig, TrainEngineConfig
 from asyncrl.train.engine import HFTrainEngine, sft_token_loss
 
@@ -107,7 +108,7 @@ def test_a_generated_vision_token_is_read_as_text(vl_dir, samples):
     (models/vision.py vlm_forward_kwargs), not counted against the prompt's images."""
     base = samples[0]
     prompt_len = base.loss_mask.index(1)
-    stray = Sample.from_prompt_and_completion(base.input_ids[:prompt_len], [103, 101, 24, 3],
+    stray = Sample.from_prompt_and_completion(base.input_ids[:prompt_len], [IMAGE_PAD_ID, VISION_START_ID, 24, 3],
                                               [-1.0] * 4, [0] * 4)
     stray.images = base.images
     got = engine(vl_dir).forward([stray])[0]

@@ -23,15 +23,11 @@ from asyncrl.train.engine import HFTrainEngine
 @pytest.fixture(scope="module")
 def qwen25_dir(tmp_path_factory):
     from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     from asyncrl.models.export import save_model_dir
     from asyncrl.models.tiny_vl import (
-        MAX_IMAGE_PIXELS,
-        MIN_IMAGE_PIXELS,
         build_vl_tokenizer,
+        save_image_processor,
         tiny_vl_config,
     )
 
@@ -48,8 +44,7 @@ def qwen25_dir(tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(cfg).eval()
     out = save_model_dir(model, tokenizer, tmp_path_factory.mktemp("qwen25-vl"))
-    Qwen2VLImageProcessorPil(min_pixels=MIN_IMAGE_PIXELS, max_pixels=MAX_IMAGE_PIXELS,
-                             patch_size=14, merge_size=2, temporal_patch_size=2).save_pretrained(out)
+    save_image_processor(out, patch_size=14)
     return out
 
 

@@ -213,12 +213,12 @@ def test_state_dict_dirs_reload_the_exact_tokenizer(model_dir, tmp_path):
     changed how tool-call text and spaces tokenized (a trained tool agent measured 0% calls)."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.models.tokenizer import build_char_tokenizer
+    from asyncrl.models.tokenizer import build_byte_tokenizer
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     out = save_weights_dir(model.state_dict(), model.config, tmp_path / "ckpt",
                               tokenizer=load_tokenizer(model_dir))
     text = 'a b <tool_call>{"name": "calc"}</tool_call><|im_end|>'
-    assert load_tokenizer(out).encode(text) == build_char_tokenizer().encode(text)
+    assert load_tokenizer(out).encode(text) == build_byte_tokenizer().encode(text)
 
 
 def test_broadcast_sync_survives_a_killed_server(model_dir, tmp_path):

@@ -8,7 +8,7 @@ from asyncrl.api import GenerationConfig, ModelRequest, ModelResponse, StopReaso
 from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.models.chat import render_chat
-from asyncrl.models.tiny import build_char_tokenizer, build_tiny_model
+from asyncrl.models.tiny import build_byte_tokenizer, build_tiny_model
 from asyncrl.models.config import TinyModelConfig
 from asyncrl.reward.call import answer_reward
 from asyncrl.reward.exact import exact_answer_reward
@@ -19,7 +19,7 @@ from asyncrl.rollout.multi_turn import MultiTurnConfig, MultiTurnWorkflow
 from asyncrl.rollout.rlvr import RLVRWorkflow
 from conftest import run_episodes
 
-TOK = build_char_tokenizer()
+TOK = build_byte_tokenizer()
 REWARD = answer_reward(exact_answer_reward)
 DATA = {"id": "q1", "messages": [{"role": "user", "content": "3+4="}], "answer": "7"}
 

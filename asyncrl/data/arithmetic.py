@@ -2,7 +2,7 @@
 
 Difficulty is set by operand digits, operand count and the operator set; `*` binds tighter than
 `+`/`-` as usual, and values are computed from the generated integers (nothing is ever eval'd).
-Prompts stay short ("12+34=") because the default policy is a ~6M-parameter character-level model.
+Prompts stay short ("12+34=") because the default policy is a ~6M-parameter model with one token per ASCII character.
 
 Problems come from a seeded RNG and are deduplicated by expression. Eval problems are drawn first,
 so the held-out set does not move when num_train changes, and no eval problem appears in train.

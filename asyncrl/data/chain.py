@@ -2,7 +2,7 @@
 
 A problem adds k one- or two-digit numbers ("7+35+12="); its worked solution writes one running
 total per line ("7+35=42", "42+12=54") before the final answer ("#### 54"), so a reply is about
-`9 * (k - 1) + 8` characters (tokens, for the embedded character-level model). k is 2 plus a
+`9 * (k - 1) + 8` characters (tokens, for the embedded model, one token per ASCII character). k is 2 plus a
 geometric number of extra terms (each one with probability `tail`, up to `max_terms`): most
 replies are short and a few are many times longer, the shape that leaves a synchronous loop
 waiting on its slowest sample. Rows carry the solution for the SFT warm start (`solution`) and

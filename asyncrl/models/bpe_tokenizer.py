@@ -27,11 +27,10 @@ import string
 import sysconfig
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, \
-    pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from asyncrl.models.tokenizer import CHAT_TEMPLATE, save_tokenizer
+from asyncrl.models.tokenizer import CHAT_TEMPLATE, qwen2_pipeline, save_tokenizer
 
 # Bump when the output changes for the same corpus (pipeline, fill rule, special tokens).
 BPE_BUILD_VERSION = 1
@@ -39,13 +38,6 @@ BPE_BUILD_VERSION = 1
 REGULAR_VOCAB_SIZE = 151_643  # Qwen2.5's BPE vocabulary: ids 0..151642
 MODEL_MAX_LENGTH = 131_072
 TRAIN_MIN_FREQUENCY = 2
-
-# Qwen2's pre-tokenizer split: contractions, letter runs with one optional leading symbol, single
-# digits, punctuation runs, newlines, other whitespace.
-SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 # (content, special) in id order from REGULAR_VOCAB_SIZE; as in Qwen2.5, tool-call and
 # fill-in-the-middle markers are added but not special (skip_special_tokens keeps them).
@@ -86,22 +78,10 @@ def corpus_digest(texts: list[str]) -> str:
     return h.hexdigest()[:12]
 
 
-def _pipeline(model: models.Model) -> Tokenizer:
-    tok = Tokenizer(model)
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
 def train_merges(texts: list[str], vocab_size: int = REGULAR_VOCAB_SIZE
                  ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """(vocab, merges) of a byte-level BPE trained on `texts`; at most `vocab_size` tokens."""
-    tok = _pipeline(models.BPE())
+    tok = qwen2_pipeline(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=TRAIN_MIN_FREQUENCY, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
@@ -148,7 +128,7 @@ def build_bpe_tokenizer(texts: list[str] | None = None) -> PreTrainedTokenizerFa
     """A fresh Qwen2.5-layout tokenizer trained on `texts` (default: `corpus_texts()`)."""
     vocab, merges = train_merges(corpus_texts() if texts is None else texts)
     vocab, merges = fill_merges(vocab, merges, REGULAR_VOCAB_SIZE)
-    tok = _pipeline(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok = qwen2_pipeline(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     # One call per token keeps each one's flag; ids follow the regular vocabulary in order.
     for content, special in ADDED_TOKENS:
         tok.add_tokens([AddedToken(content, special=special, normalized=False)])

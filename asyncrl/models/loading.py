@@ -21,19 +21,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers import (AutoTokenizer, PreTrainedModel,
-                          PreTrainedTokenizerFast)
+from transformers import AutoTokenizer, PreTrainedModel
 
 from asyncrl.errors import UserError
 from asyncrl.models.export import policy_model_class
 from asyncrl.models.hf_quiet import quiet_hf_progress
 from asyncrl.models.tiny import DTYPES, build_tiny_model
+from asyncrl.models.tokenizer_check import check_round_trip
 from asyncrl.models.config import ModelConfig, TinyModelConfig, is_vision_language
 
 # Part of the cache key: bump when the builder's output changes for the same config (tokenizer,
 # chat template, file layout), so stale cached models are not silently reused.
 # v2: compact tool lines and rendered tool calls in the chat template.
-TINY_BUILD_VERSION = 2
+# v3: the byte-level tokenizer (261 ids; the embedding pads to 320 rows).
+TINY_BUILD_VERSION = 3
 
 # Vocabulary files of the common tokenizer families. transformers 5 silently builds an empty
 # one-token tokenizer when none is present, which would only surface as garbage much later.
@@ -110,26 +111,13 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"model dir {p} has no tokenizer files; expected one of "
                              f"{', '.join(TOKENIZER_FILES)}")
     try:
-        if _tokenizer_class(p) in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-            # transformers 5 picks the tokenizer class from the model type (qwen2 ->
-            # Qwen2Tokenizer, whose pre-tokenizer drops spaces from the tiny model's text);
-            # a directory that names the generic class (4.x or 5.x spelling) gets exactly its
-            # tokenizer.json.
-            return PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
-        return AutoTokenizer.from_pretrained(p, local_files_only=True,
-                                             trust_remote_code=trust_remote_code)
+        # As vLLM, SGLang and users' code load it, so that every part sees the same ids.
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
     except OSError as err:  # transformers reports missing/unreadable files as OSError
         raise ModelLoadError(f"model dir {p}: cannot load tokenizer: {err}") from err
-
-
-def _tokenizer_class(p: Path) -> str | None:
-    config = p / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    try:
-        return json.loads(config.read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        return None
+    check_round_trip(tokenizer, p)
+    return tokenizer
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32",

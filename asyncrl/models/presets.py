@@ -58,7 +58,7 @@ PRESETS: dict[str, ArchPreset] = {
         intermediate_size=8960, vocab_size=QWEN25_VOCAB, max_position_embeddings=32_768,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
-TINY = "tiny"  # the embedded default (models/tiny.py), with its character tokenizer
+TINY = "tiny"  # the embedded default (models/tiny.py), with its byte tokenizer
 TINY_VL = "tiny-vl"  # the embedded vision-language model (models/tiny_vl.py), a small Qwen2-VL
 PRESET_NAMES = (TINY, TINY_VL, *PRESETS)
 TINY_ARCHS = {TINY: "qwen2", TINY_VL: "qwen2_vl"}  # the presets that are the embedded model

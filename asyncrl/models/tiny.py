@@ -1,4 +1,4 @@
-"""Build the embedded default model: a small random-init Qwen2/Llama with the char tokenizer.
+"""Build the embedded default model: a small random-init Qwen2/Llama with the byte tokenizer.
 
 These machines have no hub access, so tests, examples and the SFT warm start need a model that can
 be made from nothing. The result is an ordinary HF directory (config.json, model.safetensors,
@@ -6,8 +6,8 @@ generation_config.json, tokenizer.json, tokenizer_config.json with the chat temp
 `AutoModelForCausalLM.from_pretrained`, vLLM and our own engine load like any real checkpoint, so
 every code path exercised on the tiny model is the one used on Qwen/Llama on GPUs.
 
-With the defaults (qwen2, hidden 256, 8 layers, 4 heads / 2 KV heads, MLP 768, vocab 101 padded to
-128, tied embeddings) the model has 6,332,672 parameters (~6.3M, ~25 MB in float32).
+With the defaults (qwen2, hidden 256, 8 layers, 4 heads / 2 KV heads, MLP 768, vocab 261 padded to
+320, tied embeddings) the model has 6,381,824 parameters (~6.4M, ~26 MB in float32).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from asyncrl.models.tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
     PAD_ID,
-    build_char_tokenizer,
+    build_byte_tokenizer,
 )
 
 # Mapping, not an if/elif tower: adding an architecture is one line.
@@ -47,7 +47,7 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
 
 
 def tiny_hf_config(cfg: TinyModelConfig, vocab_size: int) -> PretrainedConfig:
-    """The transformers config of the tiny model; ids match `build_char_tokenizer`."""
+    """The transformers config of the tiny model; ids match `build_byte_tokenizer`."""
     config_cls, architecture = ARCH_CONFIGS[cfg.arch]
     return config_cls(
         vocab_size=padded_vocab_size(vocab_size, cfg.vocab_multiple),
@@ -71,7 +71,7 @@ def build_tiny_model_in_memory(
     cfg: TinyModelConfig,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Random-init model + tokenizer; the same `cfg` (seed included) gives identical weights."""
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_byte_tokenizer()
     hf_config = tiny_hf_config(cfg, len(tokenizer))
     # A private generator state would be cleaner, but HF init draws from the global RNG; restore
     # it afterwards so building a model does not perturb the caller's random stream.
@@ -86,7 +86,7 @@ def build_tiny_model_in_memory(
 
 
 def build_tiny_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
-    """Build the tiny model + char tokenizer and save them as a HF directory at `out_dir`
+    """Build the tiny model + byte tokenizer and save them as a HF directory at `out_dir`
     (a text arch; qwen2_vl is models/tiny_vl.py's: `loading.build_embedded_model` picks)."""
     model, tokenizer = build_tiny_model_in_memory(cfg)
     return save_model_dir(model, tokenizer, out_dir)

@@ -1,11 +1,11 @@
-"""Build the embedded vision-language model: a small random-init Qwen2-VL with the char tokenizer.
+"""Build the embedded vision-language model: a small random-init Qwen2-VL with the byte tokenizer.
 
 The text side has the tiny model's shape (`TinyModelConfig` with arch qwen2_vl; by default hidden
 256, 8 layers, 4 heads / 2 KV heads, MLP 768, tied embeddings) with multimodal RoPE (M-RoPE: the
 rotary pairs of a head split 1/4 time, 3/8 height, 3/8 width, so 8/12/12 of 32); the vision tower is Qwen2-VL's (14 px patches, 2 frames per temporal patch, 2 x 2
-patches merged into one token) at width 64 and depth 2. The tokenizer is the character tokenizer
+patches merged into one token) at width 64 and depth 2. The tokenizer is the tiny byte tokenizer
 plus Qwen2-VL's vision tokens (<|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>,
-ids 101-104), and its chat template renders an image part as the placeholder
+ids 261-264), and its chat template renders an image part as the placeholder
 <|vision_start|><|image_pad|><|vision_end|>. The image processor is Qwen2-VL's, capped at 112 x 112
 pixels, so an image costs at most 64 patches -> 16 tokens.
 
@@ -30,19 +30,22 @@ from asyncrl.models.tokenizer import (
     IM_END_ID,
     PAD_ID,
     TEXT_OR_IMAGE_PART,
-    build_char_tokenizer,
+    VOCAB_SIZE,
+    build_byte_tokenizer,
     chat_template,
 )
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# added after the byte vocabulary, in this order
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = range(VOCAB_SIZE, VOCAB_SIZE + 4)
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
 MAX_IMAGE_PIXELS = 112 * 112  # 8 x 8 patches -> 16 image tokens
 MIN_IMAGE_PIXELS = 56 * 56
 
 
 def build_vl_tokenizer():
-    """The character tokenizer with Qwen2-VL's vision tokens and the image-aware template."""
-    tokenizer = build_char_tokenizer()
+    """The tiny byte tokenizer with Qwen2-VL's vision tokens and the image-aware template."""
+    tokenizer = build_byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     tokenizer.chat_template = chat_template(TEXT_OR_IMAGE_PART)
     return tokenizer
@@ -83,9 +86,6 @@ def tiny_vl_config(tokenizer, cfg: TinyModelConfig):
 def build_tiny_vl_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     """Build the tiny VLM (`cfg.seed`'s random weights) and save it as a HF directory."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
     from asyncrl.models.export import save_model_dir
 
@@ -97,7 +97,22 @@ def build_tiny_vl_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
                                                pad_token_id=PAD_ID)
     out = save_model_dir(model.eval(), tokenizer, out_dir)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_IMAGE_PIXELS, max_pixels=MAX_IMAGE_PIXELS,
-                             patch_size=PATCH_SIZE, merge_size=MERGE_SIZE,
-                             temporal_patch_size=TEMPORAL_PATCH_SIZE).save_pretrained(out)
+    save_image_processor(out, PATCH_SIZE)
     return out
+
+
+def save_image_processor(out: Path, patch_size: int) -> None:
+    """Qwen2-VL's image processor, capped at MAX_IMAGE_PIXELS, saved into `out`; recorded as
+    "Qwen2VLImageProcessor", a name every transformers version resolves (5.x to its PIL class
+    when torchvision is absent)."""
+    try:  # transformers 5: the PIL class (the default one needs torchvision)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:  # transformers 4: the default class is the PIL one
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+            Qwen2VLImageProcessor as ImageProcessor,
+        )
+    ImageProcessor(min_pixels=MIN_IMAGE_PIXELS, max_pixels=MAX_IMAGE_PIXELS,
+                   patch_size=patch_size, merge_size=MERGE_SIZE,
+                   temporal_patch_size=TEMPORAL_PATCH_SIZE).save_pretrained(out)

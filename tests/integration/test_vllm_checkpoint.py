@@ -37,7 +37,7 @@ from test_vllm_server import KEY, PROMPT, hf_logprobs  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-SHARD = "4MB"  # the 6.3M-parameter model (25 MB in fp32) in several shards
+SHARD = "4MB"  # the 6.4M-parameter model (26 MB in fp32) in several shards
 
 
 @pytest.fixture(scope="module")

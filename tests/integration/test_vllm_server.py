@@ -52,7 +52,7 @@ from vllm_venv import ensure_vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-# The embedded default's shape (6.3M parameters), not the unit tests' 50k-parameter one: that one
+# The embedded default's shape (6.4M parameters), not the unit tests' 50k-parameter one: that one
 # generates faster than a client parses its stream, so a "mid-generation" kill would land after
 # the whole reply was already in the socket buffers.
 TINY = TinyModelConfig(seed=3)

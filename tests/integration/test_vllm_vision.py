@@ -35,6 +35,7 @@ from asyncrl.models.export import untied_copy
 from asyncrl.models.loading import load_causal_lm
 from asyncrl.models.presets import build_preset_model
 from asyncrl.models.vision import VisionPromptEncoder, vlm_forward_kwargs
+from asyncrl.models.tiny_vl import IMAGE_PAD_ID
 from asyncrl.train.config import TrainEngineConfig
 from asyncrl.train.engine import HFTrainEngine
 from train_helpers import make_backend, server_command
@@ -119,7 +120,7 @@ def test_image_prompt_logprobs_equal_transformers(server, vl_dir):
     reply = ask(server, two)
     prompt, choice = reply["prompt_token_ids"], reply["choices"][0]
     output = choice["token_ids"]
-    assert prompt.count(103) == 16  # <|image_pad|> once per merged 2 x 2 patch block (112 px)
+    assert prompt.count(IMAGE_PAD_ID) == 16  # <|image_pad|> once per merged 2 x 2 patch block (112 px)
     ours_prompt = VisionPromptEncoder.from_model_dir(vl_dir).encode(messages(two))
     assert ours_prompt.input_ids == prompt
     served = [c["logprob"] for c in choice["logprobs"]["content"]]

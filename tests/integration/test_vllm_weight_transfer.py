@@ -38,9 +38,9 @@ pytestmark = pytest.mark.vllm
 KEY = "vllm-wt-key"
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 BACKEND = VLLMBackend()
-# two tensors of the tiny Qwen2 model (hidden 256, vocab 128), as the trainer would announce them
+# two tensors of the tiny Qwen2 model (hidden 256, vocab 320), as the trainer would announce them
 TENSORS = [WireTensor("model.norm.weight", (256,), "float32"),
-           WireTensor("lm_head.weight", (128, 256), "float32")]
+           WireTensor("lm_head.weight", (320, 256), "float32")]
 JOIN = GroupJoin("127.0.0.1", 1, 2, 1, "unused", "nccl")  # vLLM's update calls do not use it
 
 
