@@ -34,7 +34,8 @@ from asyncrl.models.config import ModelConfig, TinyModelConfig, is_vision_langua
 # chat template, file layout), so stale cached models are not silently reused.
 # v2: compact tool lines and rendered tool calls in the chat template.
 # v3: the byte-level tokenizer (261 ids; the embedding pads to 320 rows).
-TINY_BUILD_VERSION = 3
+# v4: seeded_init (the ASCII vocabulary's init, then the other byte rows).
+TINY_BUILD_VERSION = 4
 
 # Vocabulary files of the common tokenizer families. transformers 5 silently builds an empty
 # one-token tokenizer when none is present, which would only surface as garbage much later.

@@ -7,7 +7,8 @@ patches merged into one token) at width 64 and depth 2. The tokenizer is the tin
 plus Qwen2-VL's vision tokens (<|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>,
 ids 261-264), and its chat template renders an image part as the placeholder
 <|vision_start|><|image_pad|><|vision_end|>. The image processor is Qwen2-VL's, capped at 112 x 112
-pixels, so an image costs at most 64 patches -> 16 tokens.
+pixels, so an image costs at most 64 patches -> 16 tokens. The weights are drawn as tiny.py's
+`seeded_init` says (the ASCII vocabulary's init first).
 
 The result is an ordinary HF directory (config.json, model.safetensors, generation_config.json,
 tokenizer files, preprocessor_config.json) that transformers' image-text-to-text classes load as
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from asyncrl.models.config import TinyModelConfig
-from asyncrl.models.tiny import DTYPES, padded_vocab_size
+from asyncrl.models.tiny import DTYPES, padded_vocab_size, seeded_init
 from asyncrl.models.tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -58,13 +57,15 @@ def mrope_sections(head_dim: int) -> list[int]:
     return [t, (half - t) // 2, half - t - (half - t) // 2]
 
 
-def tiny_vl_config(tokenizer, cfg: TinyModelConfig):
+def tiny_vl_config(tokenizer, cfg: TinyModelConfig, vocab_size: int | None = None):
+    """Qwen2-VL's config of the tiny VLM; `vocab_size`: the text vocabulary before padding
+    (None: the tokenizer's)."""
     from transformers import Qwen2VLConfig
 
     ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
     return Qwen2VLConfig(
         text_config=dict(
-            vocab_size=padded_vocab_size(len(tokenizer), cfg.vocab_multiple),
+            vocab_size=padded_vocab_size(vocab_size or len(tokenizer), cfg.vocab_multiple),
             hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size,
@@ -90,10 +91,8 @@ def build_tiny_vl_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     from asyncrl.models.export import save_model_dir
 
     tokenizer = build_vl_tokenizer()
-    with torch.random.fork_rng(devices=[]):  # HF init draws from the global RNG
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForImageTextToText.from_config(tiny_vl_config(tokenizer, cfg),
-                                                        dtype=DTYPES[cfg.dtype])
+    model = seeded_init(lambda vocab: AutoModelForImageTextToText.from_config(
+        tiny_vl_config(tokenizer, cfg, vocab), dtype=DTYPES[cfg.dtype]), len(tokenizer), cfg.seed)
     model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
                                                pad_token_id=PAD_ID)
     out = save_model_dir(model.eval(), tokenizer, out_dir)
