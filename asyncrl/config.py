@@ -69,7 +69,10 @@ class Config(pydantic.BaseModel):
         for item in overrides:
             key, value = parse_override(item)
             set_dotted(data, key, value)
-        return cls.from_dict(data, source=str(path) if path else "defaults")
+        where = [str(path)] if path else []
+        if overrides:
+            where.append("the command line")
+        return cls.from_dict(data, source=" + ".join(where) or "defaults")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

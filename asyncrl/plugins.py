@@ -15,14 +15,13 @@ LoRA, the server versions tested), and the validators read those declarations.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Generic, TypeVar, get_args
 
 import pydantic
 
 from asyncrl.config import Config, ConfigError, SpellOut, format_validation_error
-from asyncrl.imports import importable_from_cwd
+from asyncrl.imports import import_module
 
 P = TypeVar("P", bound=Config)
 Shorthand = Callable[[str], Mapping[str, Any]]
@@ -115,8 +114,4 @@ def _dump(value: Config, info: pydantic.SerializationInfo) -> dict[str, Any]:
 def import_plugins(modules: Iterable[str], setting: str = "plugins") -> None:
     """Import each `package.module` so the kinds it registers exist (a user's plugins)."""
     for name in modules:
-        importable_from_cwd(name)
-        try:
-            importlib.import_module(name)
-        except ImportError as err:
-            raise ConfigError(f"{setting}: cannot import {name!r}: {err}") from err
+        import_module(name, f"{setting}: {name!r}")

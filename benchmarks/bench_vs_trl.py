@@ -109,7 +109,7 @@ def run_trl(lr: float, seconds: float, warm: Path, out: Path, console: Console) 
 
     def evaluate(m) -> float:
         m.eval()
-        acc = greedy_accuracy(m, tokenizer, eval_rows, cfg.eval.max_new_tokens)
+        acc = greedy_accuracy(m, tokenizer, eval_rows, cfg.evaluation.new_tokens)
         m.train()
         return acc
 

@@ -132,7 +132,7 @@ def test_partial_nested_override_keeps_the_preset_values():
     preset = TrainRunConfig()
     cfg = TrainRunConfig.load(None, ["train.optimizer.lr=1e-5", "rollout.batch_size=4"])
     assert cfg.train.optimizer.lr == 1e-5
-    assert cfg.train.optimizer.warmup_steps == preset.train.optimizer.warmup_steps == 5
+    assert cfg.train.optimizer.warmup_steps == preset.train.optimizer.warmup_steps == 10
     assert cfg.rollout.max_head_offpolicyness == preset.rollout.max_head_offpolicyness == 2
     # switching a tagged union member takes that member's own defaults, not the old member's keys
     cfg = TrainRunConfig.load(None, ["data.kind=gsm8k", "data.path=x.jsonl"])

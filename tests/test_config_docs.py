@@ -78,7 +78,7 @@ def test_cli_prints_the_config_and_exits_without_training(tmp_path):
          f"output_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "train.optimizer.lr = 0.0001   (default 0.0002)" in out.stdout
+    assert "train.optimizer.lr = 0.0001   (default 1e-06)" in out.stdout
     assert "AdamW peak learning rate" in out.stdout
     assert "inference.weight_sync = \"auto\"" in out.stdout
     assert not (tmp_path / "run").exists()

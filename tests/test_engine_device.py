@@ -19,7 +19,7 @@ from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.inference.engine import resolve_dtype
 from asyncrl.models.device import resolve_device
 from asyncrl.inference.config import EngineSettings
-from asyncrl.inference.llama import LlamaArgs
+from asyncrl.inference.decoder_args import DecoderArgs
 from asyncrl.inference.model_runner import iter_safetensors
 from asyncrl.launch.train import check_engine_placement
 
@@ -175,7 +175,7 @@ def test_num_parameters_matches_transformers():
     for tied in (True, False):
         model = transformers.Qwen2ForCausalLM(tiny_config(tie_word_embeddings=tied))
         cfg = {**model.config.to_dict(), "architectures": ["Qwen2ForCausalLM"]}
-        args = LlamaArgs.from_hf_config(cfg)
+        args = DecoderArgs.from_hf_config(cfg)
         assert args.num_parameters() == model.num_parameters()
 
 
@@ -185,7 +185,7 @@ def test_cuda_kv_budget_caps_slots(model_dir, monkeypatch):
     eng = LLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=128, device="cpu",
                                  max_num_seqs=64, gpu_memory_fraction=0.5))
     hf_config = transformers.AutoConfig.from_pretrained(model_dir).to_dict()
-    args = LlamaArgs.from_hf_config(hf_config)
+    args = DecoderArgs.from_hf_config(hf_config)
     # 4 layers * 2 (k, v) * 2 kv heads * 128 positions * 64 dims * 2 bytes = 256 KiB per slot
     per_slot, weights = 4 * 2 * 2 * 128 * 64 * 2, args.num_parameters() * 2
     eng.device = torch.device("cuda", 0)  # only _num_slots reads it from here on
@@ -303,9 +303,9 @@ def test_cuda_engine_matches_transformers_bf16(model_dir, prompts):
     eng = LLMEngine(EngineConfig(model_path=str(model_dir), max_seq_len=64))
     model = eng.runner.model
     assert eng.device.type == "cuda" and eng.sampler.generator.device.type == "cuda"
-    for t in (eng.runner.cache, model.embed, model.cos, model.layers[0].qkv_w):
+    for t in (eng.runner.cache, model.embed, model.rope[""][0], model.layers[0].qkv_w):
         assert t.device == eng.device and t.dtype == torch.bfloat16
-    assert model._kernels is None and model._fast is None and model.cos32 is None
+    assert model._kernels is None and model._fast is None and model.rope32 is None
     hf_gpu = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     hf_gpu = hf_gpu.to(eng.device).eval()
     check_against_hf_bf16(eng, hf_gpu, prompts)
@@ -345,3 +345,42 @@ def test_cuda_kv_budget_hf_fallback_and_errors(model_dir, prompts):
     # fp32 on both paths: the same greedy tokens (TF32 matmuls are off by default in torch)
     assert ([o.output_tokens for o in fallback.generate(reqs)]
             == [o.output_tokens for o in native.generate(reqs)])
+
+
+def check_architecture_bf16(name, tmp_path, prompts, device):
+    """A tiny instance of tests/test_engine_archs.py's architecture `name` on the torch path
+    in bf16 on `device`, against transformers' bf16 forward there, before and after a weight
+    update."""
+    from arch_configs import CONFIGS
+
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
+    with torch.no_grad():  # peaked logits (the head is tied): most greedy steps have a clear
+        hf_model.get_input_embeddings().weight.mul_(8.0)  # winner, as a trained model's do
+    hf_model.save_pretrained(tmp_path)
+    hf_model = hf_model.to(device=device, dtype=torch.bfloat16)
+    eng = LLMEngine(EngineConfig(model_path=str(tmp_path), max_seq_len=64, backend="native",
+                                 device=device, dtype="bfloat16", cpu_kernels=False,
+                                 fast_matmuls=False))
+    assert eng.device.type == device
+    check_against_hf_bf16(eng, hf_model, prompts)
+    weights = perturbed_state_dict(hf_model)
+    eng.update_weights_from_state_dict(weights, version=1)
+    hf_model.load_state_dict(weights)
+    check_against_hf_bf16(eng, hf_model, prompts)
+
+
+ARCHS = ["qwen3", "llama3", "gemma3", "mistral"]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_each_architecture_on_the_bf16_torch_path_on_cpu(name, tmp_path, prompts):
+    """The CUDA test's code path and tolerance, on the CPU, on every run."""
+    check_architecture_bf16(name, tmp_path, prompts, "cpu")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ARCHS)
+def test_cuda_engine_serves_each_architecture_in_bf16(name, tmp_path, prompts):
+    check_architecture_bf16(name, tmp_path, prompts, "cuda")

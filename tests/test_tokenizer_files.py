@@ -20,8 +20,10 @@ import textwrap
 
 import pytest
 import transformers
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast
+from tokenizers import Tokenizer
+from transformers import AutoImageProcessor, AutoTokenizer
+
+from tokenizer_helpers import word_level_tokenizer
 
 from asyncrl import Trainer
 from asyncrl.launch.train_config import TrainRunConfig
@@ -30,7 +32,7 @@ from asyncrl.models.config import TinyModelConfig
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.models.presets import build_preset_model, preset_hf_config
 from asyncrl.models.tiny import build_tiny_model
-from asyncrl.models.tokenizer import CHARACTERS, SPECIAL_TOKENS
+from asyncrl.models.tokenizer import CHARACTERS
 from asyncrl.models.tokenizer_check import TokenizerMismatchError
 
 CONVERSATION = [
@@ -118,17 +120,10 @@ def test_the_vlm_processor_files_load(written):
 def char_level_dir(tmp_path, model_dir):
     """A directory as asyncrl wrote before its tokenizer was byte-level: a WordLevel vocabulary
     of one token per character under a qwen2 config, declared as the generic class."""
-    vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in SPECIAL_TOKENS])
     out = tmp_path / "char-level"
     out.mkdir()
     shutil.copy(model_dir / "config.json", out)
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                            pad_token="<|pad|>", unk_token="<|unk|>").save_pretrained(out)
+    word_level_tokenizer(CHARACTERS).save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
                                        "tokenizer_class": "PreTrainedTokenizerFast"}))

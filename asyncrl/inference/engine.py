@@ -23,7 +23,7 @@ import torch
 from asyncrl.api import ModelRequest, ModelResponse, StopReason
 from asyncrl.inference import kernels
 from asyncrl.inference.config import EngineSettings
-from asyncrl.inference.llama import LlamaArgs, unsupported_reason
+from asyncrl.inference.decoder_args import DecoderArgs, unsupported_reason
 from asyncrl.inference.model_runner import (
     DTYPES,
     ModelRunner,
@@ -91,9 +91,9 @@ class LLMEngine:
         free GPU memory (one slot reserves max_seq_len positions, ~0.4 GB for Qwen2.5-0.5B at
         32k in bf16, so max_num_seqs slots rarely fit)."""
         cfg = self.config
-        if cfg.backend == "hf" or unsupported_reason(hf_config):
+        if cfg.backend == "hf" or unsupported_reason(hf_config, self.max_seq_len):
             return cfg.max_num_seqs  # the fallback keeps no cache
-        args = LlamaArgs.from_hf_config(hf_config)
+        args = DecoderArgs.from_hf_config(hf_config, self.max_seq_len)
         per_slot = ModelRunner.bytes_per_slot(args, self.max_seq_len, dtype)
         need = f"one sequence of max_seq_len={self.max_seq_len} needs {per_slot} bytes"
         if cfg.kv_cache_bytes is not None:

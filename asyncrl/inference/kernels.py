@@ -54,7 +54,7 @@ HEADERS = [CSRC / "simd.h", CSRC / "ops.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c++17"]
 ATTENTION_HEAD_DIMS = (32, 64, 96, 128, 256)  # the instantiations in the C++ switch
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-ABI = 2  # bump together with asyncrl_kernels_abi() in attention.cpp
+ABI = 3  # bump together with asyncrl_kernels_abi() in attention.cpp
 
 
 def cache_dir() -> Path:
@@ -105,7 +105,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     for suffix in DTYPES.values():
         attn = getattr(lib, f"attention_{suffix}")
-        attn.argtypes = [p] * 8 + [i64] * 6 + [f32, i32]
+        attn.argtypes = [p] * 8 + [i64] * 6 + [f32, i64, i32]
         attn.restype = i32
         norm = getattr(lib, f"rms_norm_{suffix}")
         norm.argtypes = [p] * 3 + [i64, i64, f32, i32]
@@ -191,13 +191,15 @@ class CpuKernels:
     def attention(
         self, qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, slots: torch.Tensor | None, positions: torch.Tensor, heads: int,
+        scale: float | None = None, window: int = 0,
     ) -> torch.Tensor:
         """RoPE, cache write and causal attention over the cache for one layer.
 
         qkv [rows, (heads + 2 kv_heads) * hd] with contiguous rows; k, v this layer's contiguous
         [slots, kv_heads, max_len, hd] caches; cos, sin fp32 [max_pos, hd]; slots (None: row i is
         slot i) and positions int64 [rows]: where each row's k, v go, and row r attends to
-        positions [0, positions[r]] of its slot. Returns [rows, heads * hd].
+        positions [0, positions[r]] of its slot (the last `window` of them when window > 0);
+        queries are scaled by `scale` (None: hd ** -0.5). Returns [rows, heads * hd].
         """
         rows = qkv.shape[0]
         _, kv_heads, max_len, hd = k.shape
@@ -205,7 +207,8 @@ class CpuKernels:
         err = self._attn(
             qkv.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             None if slots is None else slots.data_ptr(), positions.data_ptr(), out.data_ptr(),
-            rows, heads, kv_heads, hd, max_len, qkv.stride(0), hd**-0.5, thread_count(),
+            rows, heads, kv_heads, hd, max_len, qkv.stride(0),
+            hd**-0.5 if scale is None else scale, window, thread_count(),
         )
         if err:
             raise ValueError(f"head_dim={hd} is out of range; allowed {ATTENTION_HEAD_DIMS}")

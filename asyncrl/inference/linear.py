@@ -3,7 +3,8 @@
 `PlainMatmuls` is torch BLAS calls on the stored weights (any device: CUDA runs it). The two fast
 paths exist only for weights on the CPU: they prepack the weights once (again after every weight
 update) and fuse the layer's elementwise tail into the matmul epilogue: the q/k/v bias,
-SiLU(gate) * up and both residual adds.
+act(gate) * up (SiLU, or Gemma's tanh-GELU) and both residual adds (a residual of None: no add,
+for Gemma's norm after each block).
 
 - `KernelMatmuls` (fp32, AVX-512 builds): the C++ kernel of `csrc/gemm.cpp` on weights packed into
   32-column panels. On the 6M-parameter benchmark model a batch-64 decode step's matmuls run about
@@ -39,36 +40,46 @@ class LayerWeights(Protocol):
     down_w: torch.Tensor  # [D, I]
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class Matmuls(Protocol):
     MIN_ROWS: int  # below this many rows the plain path is used instead
 
     def qkv(self, i: int, h: torch.Tensor) -> torch.Tensor: ...
 
-    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor | None
+                   ) -> torch.Tensor: ...
 
-    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor: ...
 
     def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+def _linear_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w) if residual is None else torch.addmm(residual, x, w.t())
 
 
 class PlainMatmuls:
     MIN_ROWS = 0
 
-    def __init__(self, layers: list[LayerWeights], lm_head: torch.Tensor) -> None:
-        self.layers, self.lm_head = layers, lm_head
+    def __init__(self, layers: list[LayerWeights], lm_head: torch.Tensor,
+                 activation: str = "silu") -> None:
+        self.layers, self.lm_head, self.act = layers, lm_head, ACTIVATIONS[activation]
 
     def qkv(self, i: int, h: torch.Tensor) -> torch.Tensor:
         w = self.layers[i]
         return F.linear(h, w.qkv_w, w.qkv_b)
 
-    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(residual, attn, self.layers[i].o_w.t())
+    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor | None
+                   ) -> torch.Tensor:
+        return _linear_add(attn, self.layers[i].o_w, residual)
 
-    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         w = self.layers[i]
         inter = w.down_w.shape[1]
         gate_up = F.linear(h, w.gate_up_w)
-        return torch.addmm(residual, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w.down_w.t())
+        return _linear_add(self.act(gate_up[:, :inter]) * gate_up[:, inter:], w.down_w, residual)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head)
@@ -78,8 +89,13 @@ class OneDNNMatmuls:
     # Below this many rows the packed call's fixed overhead outweighs its faster kernel.
     MIN_ROWS = 16
 
-    def __init__(self, layers: list[LayerWeights], lm_head: torch.Tensor, rows_hint: int) -> None:
+    # oneDNN's names for the fused activations: (attr, algorithm)
+    ATTRS = {"silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
+
+    def __init__(self, layers: list[LayerWeights], lm_head: torch.Tensor, rows_hint: int,
+                 activation: str = "silu") -> None:
         self.layers, self.lm_head, self.rows_hint = layers, lm_head, rows_hint
+        self.attr, self.algorithm = self.ATTRS[activation]
         self.packed: list[dict[str, torch.Tensor]] = []
         self.lm_packed: torch.Tensor | None = None
         self.repack()
@@ -109,16 +125,23 @@ class OneDNNMatmuls:
             h, self.packed[i]["qkv"], self.layers[i].qkv_b, "none", [], ""
         )
 
-    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise.binary(
-            attn, residual, self.packed[i]["o"], None, "add"
-        )
+    @staticmethod
+    def _add(x: torch.Tensor, packed: torch.Tensor, residual: torch.Tensor | None
+             ) -> torch.Tensor:
+        lp = torch.ops.mkldnn._linear_pointwise
+        if residual is None:
+            return lp(x, packed, None, "none", [], "")
+        return lp.binary(x, residual, packed, None, "add")
 
-    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor | None
+                   ) -> torch.Tensor:
+        return self._add(attn, self.packed[i]["o"], residual)
+
+    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         p, lp = self.packed[i], torch.ops.mkldnn._linear_pointwise
-        gate = lp(h, p["gate"], None, "swish", [], "")  # swish == SiLU
+        gate = lp(h, p["gate"], None, self.attr, [], self.algorithm)  # swish == SiLU
         act = lp.binary(h, gate, p["up"], None, "mul")
-        return lp.binary(act, residual, p["down"], None, "add")
+        return self._add(act, p["down"], residual)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(h, self.lm_packed, None, "none", [], "")
@@ -150,9 +173,10 @@ class KernelMatmuls:
         self.repack()
 
     @staticmethod
-    def supports(layers: list[LayerWeights], lm_head: torch.Tensor) -> bool:
+    def supports(layers: list[LayerWeights], lm_head: torch.Tensor, activation: str) -> bool:
         inter = layers[0].down_w.shape[1]
-        return lm_head.device.type == "cpu" and lm_head.dtype == torch.float32 and inter % 16 == 0
+        return (lm_head.device.type == "cpu" and lm_head.dtype == torch.float32
+                and inter % 16 == 0 and activation == "silu")  # the epilogue is SiLU(gate) * up
 
     def repack(self) -> None:
         self.packed = []
@@ -179,13 +203,15 @@ class KernelMatmuls:
         p = self.packed[i]
         return self.k.gemm(h, p["qkv"], self.layers[i].qkv_w.shape[0], bias=p["qkv_b"])
 
-    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.k.gemm(attn, self.packed[i]["o"], residual.shape[1], residual=residual)
+    def o_proj_add(self, i: int, attn: torch.Tensor, residual: torch.Tensor | None
+                   ) -> torch.Tensor:
+        w = self.layers[i]
+        return self.k.gemm(attn, self.packed[i]["o"], w.o_w.shape[0], residual=residual)
 
-    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def mlp_add(self, i: int, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         w, p = self.layers[i], self.packed[i]
         act = self.k.gemm(h, p["gate_up"], w.gate_up_w.shape[0], silu_mul=True)
-        return self.k.gemm(act, p["down"], residual.shape[1], residual=residual)
+        return self.k.gemm(act, p["down"], w.down_w.shape[0], residual=residual)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.k.gemm(h, self.lm_packed, self.lm_head.shape[0])
@@ -201,9 +227,10 @@ class KernelMatmuls:
         )
 
 
-def _agrees(fast: Matmuls, layers: list[LayerWeights], lm_head: torch.Tensor) -> bool:
+def _agrees(fast: Matmuls, layers: list[LayerWeights], lm_head: torch.Tensor,
+            activation: str) -> bool:
     """Whether `fast` matches the plain path on random inputs (a broken op raises or differs)."""
-    plain = PlainMatmuls(layers, lm_head)
+    plain = PlainMatmuls(layers, lm_head, activation)
     g = torch.Generator().manual_seed(0)  # CPU: the fast paths exist only there
     rows, dt = OneDNNMatmuls.MIN_ROWS, lm_head.dtype
     x = torch.randn(rows, lm_head.shape[1], generator=g, device="cpu").to(dt)
@@ -212,6 +239,8 @@ def _agrees(fast: Matmuls, layers: list[LayerWeights], lm_head: torch.Tensor) ->
         (fast.qkv(0, x), plain.qkv(0, x)),
         (fast.o_proj_add(0, a, x), plain.o_proj_add(0, a, x)),
         (fast.mlp_add(0, x, x), plain.mlp_add(0, x, x)),
+        (fast.mlp_add(0, x, None), plain.mlp_add(0, x, None)),
+        (fast.o_proj_add(0, a, None), plain.o_proj_add(0, a, None)),
         (fast.logits(x), plain.logits(x)),
     ]
     tol = 1e-4 if lm_head.dtype == torch.float32 else 5e-2
@@ -220,20 +249,21 @@ def _agrees(fast: Matmuls, layers: list[LayerWeights], lm_head: torch.Tensor) ->
 
 def make_fast_matmuls(
     layers: list[LayerWeights], lm_head: torch.Tensor, rows_hint: int,
-    kernels: CpuKernels | None = None,
+    kernels: CpuKernels | None = None, activation: str = "silu",
 ) -> Matmuls | None:
     """The C++ kernel path (fp32, when `kernels` is given), else oneDNN, if it exists here and
     agrees with plain torch on random inputs; None if neither does."""
     if lm_head.device.type != "cpu":
         return None
-    if kernels is not None and kernels.gemm_preferred and KernelMatmuls.supports(layers, lm_head):
+    if (kernels is not None and kernels.gemm_preferred
+            and KernelMatmuls.supports(layers, lm_head, activation)):
         fast = KernelMatmuls(layers, lm_head, kernels)
-        if _agrees(fast, layers, lm_head):
+        if _agrees(fast, layers, lm_head, activation):
             return fast
     if not OneDNNMatmuls.available():
         return None
     try:
-        fast = OneDNNMatmuls(layers, lm_head, rows_hint)
-        return fast if _agrees(fast, layers, lm_head) else None
+        fast = OneDNNMatmuls(layers, lm_head, rows_hint, activation)
+        return fast if _agrees(fast, layers, lm_head, activation) else None
     except (RuntimeError, AttributeError, NotImplementedError):  # op missing in this build
         return None

@@ -1,9 +1,10 @@
 """Loads a model directory and runs one scheduled batch: Sequences in, last-position logits out.
 
-`ModelRunner` drives the compact Llama/Qwen2 model (`llama.py`) over a preallocated KV cache and is
-the fast path. `HFModelRunner` is the fallback for architectures the compact model does not
-implement: it runs the transformers model over every sequence's full token list each step (no
-cache reuse), which is slow but exact for anything `AutoModelForCausalLM` loads. Both read the
+`ModelRunner` drives the compact decoder (`decoder.py`: Llama, Mistral, Qwen2/3, Gemma 3) over a
+preallocated KV cache and is the fast path. `HFModelRunner` is the fallback for architectures the
+compact decoder does not implement: it runs the transformers model over every sequence's full
+token list each step (no cache reuse), which is slow but exact for anything
+`AutoModelForCausalLM` loads; `load_runner` logs why and what it costs when it picks it. Both read the
 weights' HF names, so the trainer's state dict or safetensors directory updates either one.
 
 Both live on one device: each step builds its inputs on the host as Python lists and moves them
@@ -13,13 +14,16 @@ with one copy per tensor; incoming weights (any device) are copied into the devi
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from asyncrl.inference.llama import LlamaArgs, LlamaModel, check_device, unsupported_reason
+from asyncrl.errors import UserError
+from asyncrl.inference.decoder import DecoderModel, check_device
+from asyncrl.inference.decoder_args import DecoderArgs, unsupported_reason
 from asyncrl.inference.scheduler import Batch, Phase, Sequence
 from asyncrl.inference.vision_tower import (
     VisionTower,
@@ -30,6 +34,12 @@ from asyncrl.inference.vision_tower import (
 from asyncrl.models.weight_names import split_vlm_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+logger = logging.getLogger(__name__)
+
+
+class NativeUnsupportedError(UserError):
+    """`inference.engine.backend: native` on a model the compact decoder cannot serve; the
+    message names the setting, the reason and the alternatives."""
 
 
 class Runner(Protocol):
@@ -92,16 +102,16 @@ class ModelRunner:
     for a vision-language model also its vision tower (`vision_tower.py`)."""
 
     def __init__(
-        self, args: LlamaArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
+        self, args: DecoderArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
         device: torch.device | str = "cpu", fast_matmuls: bool = True, cpu_kernels: bool = True,
         vision: VisionTower | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.vision = vision
         # The decode batch is at most num_slots rows: the packed weight layout is tuned for it.
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             args, dtype, self.device, rows_hint=num_slots, fast_matmuls=fast_matmuls,
-            cpu_kernels=cpu_kernels,
+            cpu_kernels=cpu_kernels, max_seq_len=max_seq_len,
         )
         self.vocab_size = args.vocab_size
         # Zeros, not empty: masked positions are still multiplied, and NaN garbage * 0 stays NaN.
@@ -112,7 +122,7 @@ class ModelRunner:
         check_device(self.device, [self.cache])
 
     @staticmethod
-    def bytes_per_slot(args: LlamaArgs, max_seq_len: int, dtype: torch.dtype) -> int:
+    def bytes_per_slot(args: DecoderArgs, max_seq_len: int, dtype: torch.dtype) -> int:
         per_position = args.num_layers * 2 * args.num_kv_heads * args.head_dim * dtype.itemsize
         return per_position * max_seq_len
 
@@ -280,13 +290,21 @@ def load_runner(
     hf_config: Mapping, device: torch.device | str = "cpu", fast_matmuls: bool = True,
     cpu_kernels: bool = True, trust_remote_code: bool = False,
 ) -> Runner:
-    """`backend`: "native" (compact model, error if unsupported), "hf", or "auto"."""
-    reason = unsupported_reason(hf_config)
+    """`backend`: "native" (compact decoder; NativeUnsupportedError if it cannot serve the
+    model), "hf", or "auto" (native when it can, else the transformers fallback, logged)."""
+    reason = unsupported_reason(hf_config, max_seq_len)
+    if backend == "auto" and reason:
+        logger.warning(
+            "the built-in engine serves %s through transformers, much slower: it keeps no KV "
+            "cache, so each generated token costs a forward pass over its whole sequence "
+            "instead of one token (inference.engine.backend=auto; reason: %s)", path, reason)
     if backend == "hf" or (backend == "auto" and reason):
         return HFModelRunner(path, dtype, device, trust_remote_code)
     if reason:
-        raise ValueError(f"backend='native' cannot run {str(path)!r}: {reason}; use backend='auto'")
-    args = LlamaArgs.from_hf_config(hf_config)
+        raise NativeUnsupportedError(
+            f"inference.engine.backend='native' cannot serve {str(path)!r}: {reason}; set "
+            "inference.engine.backend to 'auto' (native where it can, else transformers) or 'hf'")
+    args = DecoderArgs.from_hf_config(hf_config, max_seq_len)
     vision = (VisionTower(str(path), hf_config, dtype, torch.device(device))
               if is_vlm_config(hf_config) else None)
     runner = ModelRunner(args, num_slots, max_seq_len, dtype, device, fast_matmuls, cpu_kernels,

@@ -1,6 +1,6 @@
 """The image side of a vision-language model in the compact engine (Qwen2-VL, Qwen2.5-VL).
 
-The language model is the compact Qwen2 decoder (`llama.py`); this module adds what images need:
+The language model is the compact decoder (`decoder.py`, as Qwen2); this module adds what images need:
 
 - `language_config`: the decoder's HF config fields, read from a VLM config (`text_config` in
   transformers 5, top-level in older exports), with its M-RoPE sections.

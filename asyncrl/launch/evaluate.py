@@ -191,7 +191,7 @@ def run_eval_job(
     rows = load_eval_rows(data)[:limit]
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
     vision = vision_encoder(model_dir, trust_remote_code)
-    max_seq_len = _check_lengths(model_dir, tokenizer, rows, cfg.max_new_tokens, vision)
+    max_seq_len = _check_lengths(model_dir, tokenizer, rows, cfg.new_tokens, vision)
     n = cfg.samples_per_problem
     sampling = f" + {n} samples at T={cfg.temperature}" if n else ""
     console.print(f"eval: model {model_dir}", soft_wrap=True)  # paths stay greppable: no wrap

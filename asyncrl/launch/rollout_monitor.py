@@ -1,7 +1,7 @@
 """Numbers about rollouts for the logs: every finished episode (before filtering) and each batch.
 
-`RolloutMonitor.accept` wraps the job's acceptance rule so it sees every finished trajectory on
-the executor's thread; `take()` returns and resets what accumulated since the previous call.
+A `RolloutMonitor` is the job's acceptance rule (called on every finished trajectory on the
+executor's thread; `rejection` says, in the user's settings' names, why one was dropped); `take()` returns and resets what accumulated since the previous call.
 `batch_metrics` describes the batch the trainer consumed (staleness = consuming version minus the
 version the episode started under; token lag = consuming version minus each token's version).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from asyncrl.api import Trajectory
 
@@ -21,10 +21,9 @@ def uniform_rewards(traj: Trajectory) -> bool:
 
 
 class RolloutMonitor:
-    def __init__(self, drop_uniform_groups: bool,
-                 user_accept: Callable[[Trajectory], bool] | None = None) -> None:
+    setting = "filter_uniform_groups"  # what the executor's rejection messages name
+    def __init__(self, drop_uniform_groups: bool) -> None:
         self.drop_uniform = drop_uniform_groups
-        self.user_accept = user_accept
         self._lock = threading.Lock()
         self._reset(time.perf_counter())
 
@@ -34,9 +33,17 @@ class RolloutMonitor:
         self._reward_sum = 0.0
         self._tool_samples = self._agent_samples = 0  # agent workflows: samples with tool calls
 
+    def rejection(self, traj: Trajectory) -> str:
+        """Why `accept` dropped `traj`, naming the setting that did."""
+        return (f"filter_uniform_groups dropped a group whose {len(traj.rewards)} rewards "
+                f"were all {traj.rewards[0]:g} (no signal to learn from; set "
+                "filter_uniform_groups=false to train on such groups)")
+
+    def __call__(self, traj: Trajectory) -> bool:
+        return self.accept(traj)
+
     def accept(self, traj: Trajectory) -> bool:
         keep = not (self.drop_uniform and uniform_rewards(traj))
-        keep = keep and (self.user_accept is None or self.user_accept(traj))
         with self._lock:
             self._episodes += 1
             self._kept += keep
@@ -87,4 +94,6 @@ def batch_metrics(trajs: Sequence[Trajectory], version: int) -> dict[str, float]
         "batch/samples": float(len(samples)),
         "batch/tokens": float(sum(len(s.input_ids) for s in samples)),
         "batch/gen_len_mean": sum(generated) / len(generated),
+        # completions cut by max_new_tokens (or the context window), not ended by the model
+        "batch/truncated_frac": sum(s.truncated for s in samples) / len(samples),
     }

@@ -36,6 +36,8 @@ from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.judge_engine import open_run_reward
+from asyncrl.models.tokenizer_check import check_chat_round_trip
+from asyncrl.reward.call import check_reward_call
 from asyncrl.launch.progress import TrainProgress
 from asyncrl.launch.rollout_engines import AdapterSpec, open_rollout_engines
 from asyncrl.launch.rollout_monitor import RolloutMonitor
@@ -109,6 +111,8 @@ class Trainer:
         sync or async, for the config's built-in workflow. `loss`: a PolicyLoss. `resume`:
         continue `run_dir` from its latest checkpoint.
         """
+        if reward is not None:
+            check_reward_call(reward, "Trainer.train(reward=...)")
         job = TrainJob(self.cfg, self.run_dir, workflow, eval_workflow, reward, loss, resume)
         return self.cfg.launcher.build().run(job, run_rank)
 
@@ -244,6 +248,10 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
     eval_rows = dataset.eval_rows()[: cfg.eval.size]
     trainer = group.trainer
     state, stream = LoopState(), DataStream(dataset.train_rows(), cfg.seed)
+    first = next((r for r in dataset.train_rows()[:1] if "messages" in r), None)
+    if first is not None:  # the prompts as the template renders them reach the model intact
+        check_chat_round_trip(tokenizer, first["messages"], cfg.model.template_kwargs(),
+                              f"model {base}")
     monitor = RolloutMonitor(cfg.filter_uniform_groups)
     with contextlib.ExitStack() as stack:
         reward = job.reward
@@ -260,14 +268,14 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
             check=logprob_check(cfg, group, tokenizer, eval_rows, vision),
             adapter=adapter_spec(cfg, trainer) if lora else None))
         ctx = WorkflowContext(tokenizer, engines.engine, reward, cfg.gconfig, cfg.model,
-                              cfg.eval, context_length(cfg, trainer), vision)
+                              cfg.evaluation, context_length(cfg, trainer), vision)
         workflow = the_workflow(job, ctx)
         evaluator = evaluator_for(job.eval_workflow, workflow, ctx, cfg.eval.concurrency)
         rollout_cfg = cfg.rollout.model_copy(
             update={"dump_dir": cfg.rollout.dump_dir or str(job.run_dir / "rollouts")})
         # the executor follows the version the engines serve (the trainer's, once pushed)
         executor = stack.enter_context(WorkflowExecutor(engines.engine, rollout_cfg, workflow,
-                                                        engines.version, monitor.accept))
+                                                        engines.version, monitor))
         saver = checkpointer(job, group, tokenizer, base,
                              {"loop": state, "data": stream, "rollout": executor})
         events = stack.enter_context(RunEvents(job.run_dir))

@@ -138,7 +138,8 @@ class InferenceLaunchConfig(Config):
 
 
 def _default_generation() -> GenerationConfig:
-    return GenerationConfig(n_samples=8, max_new_tokens=8, temperature=1.0)
+    # room for a reasoning model's chain of thought; the tiny demo sets its own in its configs
+    return GenerationConfig(n_samples=8, max_new_tokens=1024, temperature=1.0)
 
 
 class TrainRunConfig(Config):
@@ -163,13 +164,15 @@ class TrainRunConfig(Config):
                                            max_head_offpolicyness=2)
     actor: PPOActorConfig = PPOActorConfig()
     # the policy's engine; the LR schedule's horizon is total_steps * actor.ppo_n_minibatches and
-    # its logprobs are taken at gconfig.temperature (the sampler's)
+    # its logprobs are taken at gconfig.temperature (the sampler's). The defaults suit a
+    # pretrained model (GRPO recipes train at 1e-6: verl, TRL, DAPO) and compute in bf16 with
+    # fp32 master weights where the device has it (train.autocast_dtype: auto)
     train: PolicyTrainConfig = PolicyTrainConfig(
-        optimizer=OptimizerConfig(lr=2e-4, warmup_steps=5, schedule="constant"))
+        optimizer=OptimizerConfig(lr=1e-6, warmup_steps=10, schedule="constant"))
     # advantage.estimator gae: the critic, a value head on the policy's body trained alongside
     # (checkpointed with the run, sharded like the policy under torchrun)
     critic: CriticConfig = CriticConfig(
-        optimizer=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant"))
+        optimizer=OptimizerConfig(lr=1e-5, warmup_steps=10, schedule="constant"))
     inference: InferenceLaunchConfig = InferenceLaunchConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -178,7 +181,8 @@ class TrainRunConfig(Config):
     # policy updates (the run also stops at max_train_seconds)
     total_steps: int = pydantic.Field(1000, ge=1)
     max_train_seconds: float | None = pydantic.Field(
-        600.0, gt=0, description="stop after this much training wall time (evals excluded)")
+        None, gt=0, description="stop after this much training wall time (evals excluded); "
+                                "None: no limit")
     checkpoint_every: int = pydantic.Field(50, ge=0)  # 0: only at the end
     # largest safetensors file of every HF directory the run writes (checkpoints' policy/, disk
     # weight syncs): bytes or "5GB"/"500MiB"; a bigger model is sharded with an index
@@ -190,6 +194,13 @@ class TrainRunConfig(Config):
     # where the job runs: local (this machine; torchrun for several ranks) or ray (trainer ranks
     # and mode-local servers placed on a Ray cluster, `asyncrl train --ray ADDRESS`)
     launcher: LauncherConfig = pydantic.Field("local", description="local | ray | {kind: ray, ...}")
+
+    @property
+    def evaluation(self) -> EvalConfig:
+        """`eval` with its max_new_tokens resolved: unset, it follows gconfig.max_new_tokens."""
+        if self.eval.max_new_tokens is not None:
+            return self.eval
+        return self.eval.model_copy(update={"max_new_tokens": self.gconfig.max_new_tokens})
 
     @classmethod
     def shorthand(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ returns; a second Ctrl-C stops at once.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -36,6 +37,9 @@ from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.launch.trainer_group import TrainerGroup
 from asyncrl.launch.watchdog import NoProgressError, Watchdog
 from asyncrl.rollout.executor import RunTimeout, WorkflowExecutor
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -217,6 +221,7 @@ class TrainLoop:
         t1 = time.perf_counter()
         version = p.trainer.trainer.version
         metrics = batch_metrics(trajs, version.value)
+        self._warn_if_cut(metrics["batch/truncated_frac"])
         metrics.update(p.trainer.train_step(trajs))  # advances the trainer's version
         t2 = time.perf_counter()
         new_version = version.value
@@ -248,6 +253,16 @@ class TrainLoop:
         # the episodes a checkpoint brought back: what became of each (consumed, dropped, ...)
         metrics.update({f"rollout/restored_{k}": float(v) for k, v in stats["restored"].items()})
         return metrics
+
+    def _warn_if_cut(self, frac: float) -> None:
+        """One warning (an event in events.jsonl too) for a step most of whose completions ran
+        into the generation limit: answers cut short score as wrong ones."""
+        if frac > 0.5:
+            logger.warning(
+                "%.0f%% of step %d's completions were cut at gconfig.max_new_tokens=%d before "
+                "the model ended them; raise gconfig.max_new_tokens (or the model's context) if "
+                "its answers need more room", 100 * frac, self.state.step + 1,
+                self.cfg.gconfig.max_new_tokens)
 
     def evaluate_and_log(self, initial: bool = False) -> dict[str, float]:
         p = self.parts

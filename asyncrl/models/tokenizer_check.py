@@ -1,4 +1,5 @@
-"""Refuse a model directory whose tokenizer loses text under `AutoTokenizer`.
+"""Refuse a tokenizer that loses text: a model directory `AutoTokenizer` reads lossily, and a
+job whose chat-rendered prompts do not come back from encode/decode.
 
 transformers picks the tokenizer class from the model type and, in 5.x, rebuilds some classes'
 pipelines from the vocabulary alone (every qwen2 directory becomes a `Qwen2Tokenizer`, whatever
@@ -12,6 +13,8 @@ text its own tokenizer.json keeps.
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +57,29 @@ def _file_round_trips(path: str, _mtime_ns: int) -> bool:
     raw = Tokenizer.from_file(path)
     return raw.decode(raw.encode(PROBE, add_special_tokens=False).ids,
                       skip_special_tokens=False) == PROBE
+
+
+def check_chat_round_trip(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                          template_kwargs: Mapping[str, Any], where: str) -> None:
+    """TokenizerMismatchError when the chat template's rendering of `messages` does not come
+    back from encode then decode: characters, spaces or newlines lost, or a special token split
+    (whitespace next to a special token may differ, as some tokenizers normalise it)."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=True, **template_kwargs)
+    back = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False),
+                            skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    specials = sorted({t for t in tokenizer.all_special_tokens if t} | set(
+        getattr(tokenizer, "added_tokens_encoder", {})), key=len, reverse=True)
+    split = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def parts(s: str) -> list[str]:
+        pieces = split.split(s) if split else [s]
+        marks = split.findall(s) if split else []
+        return [p.strip() for p in pieces] + marks
+
+    if parts(text) != parts(back):
+        raise TokenizerMismatchError(
+            f"{where}: the tokenizer ({type(tokenizer).__name__}) does not give back the chat "
+            f"template's text: {text[:200]!r} came back as {back[:200]!r}, so the model would "
+            "be trained on other text than the template renders; use a tokenizer whose "
+            "decode(encode(text)) keeps spaces, newlines and special tokens")

@@ -25,6 +25,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
+from asyncrl.errors import UserError
+
 RewardFn = Callable[[str, dict[str, Any]], float | Awaitable[float]]
 
 INLINE_ATTR = "__asyncrl_inline_reward__"
@@ -61,6 +63,25 @@ def is_async(fn: Any) -> bool:
 
 def reward_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def check_reward_call(fn: Any, setting: str) -> None:
+    """UserError, before anything trains, when `fn` cannot be called as reward(completion, row)
+    (a batched reward's `score_batch` is called otherwise); `setting` is where it was given."""
+    if isinstance(fn, BatchRewardFn):
+        return
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: the first call will tell
+        return
+    try:
+        signature.bind("completion text", {"answer": "42"})
+    except TypeError as err:
+        raise UserError(
+            f"{setting}: {reward_name(fn)}{signature} cannot be called as "
+            f"reward(completion, row) ({err}); asyncrl passes the completion's text and the data "
+            f"row (a dict: row['answer'] is its answer), e.g. "
+            f"def {getattr(fn, '__name__', 'reward')}(completion, row) -> float") from None
 
 
 def as_score(value: Any, fn: Any, data: dict[str, Any]) -> float:

@@ -92,12 +92,13 @@ class FunctionRewardConfig(Config):
 
     @contextlib.contextmanager
     def build(self, ctx: RewardContext) -> Iterator[RewardFn]:
-        from asyncrl.reward.call import ThreadedReward, is_async
+        from asyncrl.reward.call import ThreadedReward, check_reward_call, is_async
 
         fn = import_object(self.path, "reward")
         if not callable(fn):
             raise UserError(f"reward {self.path!r} is not callable; expected "
                             "reward(completion, row)")
+        check_reward_call(fn, f"reward={self.path}")
         if is_async(fn):
             yield fn  # awaited on the loop; its own awaits are what keep the loop free
         elif self.executor == "thread":

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 CORRECT_THRESHOLD = 0.5
 
 
+DEFAULT_NEW_TOKENS = 1024  # an eval answer's limit outside a training job (`asyncrl eval`)
+
+
 class EvalConfig(Config):
     every: int = pydantic.Field(10, ge=0, description="training steps between evals; 0 = off")
     size: int = pydantic.Field(256, ge=1, description="held-out problems the train loop scores")
@@ -37,7 +40,9 @@ class EvalConfig(Config):
     num_samples: int | None = pydantic.Field(
         None, ge=1, description="samples per problem for pass@k; None = max(pass_k)")
     temperature: float = pydantic.Field(1.0, gt=0, description="sampling temperature for pass@k")
-    max_new_tokens: int = pydantic.Field(16, ge=1)  # generation limit of an eval answer
+    # generation limit of an eval answer; None: a training job's gconfig.max_new_tokens
+    # (TrainRunConfig.evaluation), else DEFAULT_NEW_TOKENS
+    max_new_tokens: int | None = pydantic.Field(None, ge=1)
     seed: int = pydantic.Field(0, ge=0, description="base of the per-sample seeds")
     concurrency: int = pydantic.Field(256, ge=1, description="requests in flight at once")
 
@@ -55,6 +60,11 @@ class EvalConfig(Config):
             raise ValueError(f"num_samples={self.num_samples} is smaller than max(pass_k)="
                              f"{max(self.pass_k)}; pass@k needs at least k samples per problem")
         return self
+
+    @property
+    def new_tokens(self) -> int:
+        """max_new_tokens, DEFAULT_NEW_TOKENS when unset."""
+        return self.max_new_tokens or DEFAULT_NEW_TOKENS
 
     @property
     def samples_per_problem(self) -> int:
@@ -156,10 +166,10 @@ async def evaluate(
     start = time.perf_counter()
     n = cfg.samples_per_problem
     rows, prompts, images, skipped = _prompts(tokenizer, vision, rows, kwargs)
-    greedy = stop_at_eos(GenerationConfig(greedy=True, max_new_tokens=cfg.max_new_tokens),
+    greedy = stop_at_eos(GenerationConfig(greedy=True, max_new_tokens=cfg.new_tokens),
                          tokenizer)
     sampled = stop_at_eos(GenerationConfig(temperature=cfg.temperature,
-                                           max_new_tokens=cfg.max_new_tokens), tokenizer)
+                                           max_new_tokens=cfg.new_tokens), tokenizer)
     greedy_text = [""] * len(rows)
     greedy_reward = [0.0] * len(rows)
     sample_rewards: list[list[float]] = [[] for _ in rows]

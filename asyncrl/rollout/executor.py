@@ -377,9 +377,13 @@ class WorkflowExecutor:
                 status, kind = RolloutStatus.REJECTED, "returned None"
                 reason = f"workflow {type(self.workflow).__name__} returned None (rejected)"
             elif self.accept is not None and not self.accept(traj):
-                status, kind = RolloutStatus.REJECTED, "accept rule"
-                reason = (f"the accept rule {getattr(self.accept, '__qualname__', self.accept)} "
-                          f"rejected a trajectory with rewards {sorted(set(traj.rewards))}")
+                # the rule names its setting and says why, if it can
+                status = RolloutStatus.REJECTED
+                kind = getattr(self.accept, "setting", "accept rule")
+                explain = getattr(self.accept, "rejection", None)
+                reason = explain(traj) if explain is not None else (
+                    f"the accept rule {getattr(self.accept, '__qualname__', self.accept)} "
+                    f"rejected a trajectory with rewards {sorted(set(traj.rewards))}")
             else:
                 status = RolloutStatus.ACCEPTED
         except EpisodeSuspended:

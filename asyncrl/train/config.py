@@ -105,13 +105,22 @@ class TrainEngineConfig(Config):
     # gradient checkpointing (which drops the cache), the packed layout, or FSDP.
     share_prefixes: bool = True
     optimizer: OptimizerConfig = OptimizerConfig()
-    # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype.
-    # Under FSDP bf16 also gathers the weights in bf16 (fsdp.mixed_precision).
-    autocast_dtype: Literal["none", "bfloat16"] = "none"
+    # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype;
+    # "auto": bf16 on a CUDA device that has it, else none. Under FSDP bf16 also gathers the
+    # weights in bf16 (fsdp.mixed_precision).
+    autocast_dtype: Literal["auto", "none", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory)
     # None or auto: the current CUDA device when torch sees one (a torchrun rank's own), else cpu
     device: str | None = None
     _known_device = pydantic.field_validator("device")(check_device_spec)
+
+    def uses_bf16(self, device: Any) -> bool:
+        """Whether compute runs in bf16 autocast on `device` (a torch.device)."""
+        if self.autocast_dtype != "auto":
+            return self.autocast_dtype == "bfloat16"
+        import torch
+
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 class PolicyTrainConfig(TrainEngineConfig):

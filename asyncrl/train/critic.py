@@ -25,6 +25,7 @@ import torch
 
 from asyncrl.api.trajectory import Sample
 from asyncrl.train.engine import HFTrainEngine, MicroBatchLossFn
+from asyncrl.models.kv_cache_arg import cache_kwargs
 from asyncrl.train.heads import ValueHead
 from asyncrl.train.config import CriticConfig
 from asyncrl.train.losses import critic_value_loss
@@ -55,11 +56,11 @@ class ValueModel(torch.nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None, use_cache: bool = False,
-        past_key_values: Any = None,
+        cache: Any = None,
     ) -> torch.Tensor:
         out = self.model(input_ids=input_ids, position_ids=position_ids,
                          attention_mask=attention_mask, use_cache=use_cache,
-                         past_key_values=past_key_values)
+                         **cache_kwargs(self.model, cache))
         hidden = out.last_hidden_state
         # The head runs in its own (fp32 master) dtype; under autocast Linear casts anyway.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)

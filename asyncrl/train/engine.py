@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from asyncrl.api.trajectory import Sample
 from asyncrl.api.version import PolicyVersion
 from asyncrl.models.device import resolve_device
+from asyncrl.models.kv_cache_arg import cache_kwargs
 from asyncrl.train.aggregation import normalizer_count
 from asyncrl.train.config import LoraConfig, TrainEngineConfig, lora_enabled
 from asyncrl.train.heads import LogprobHead, OutputHead
@@ -215,7 +216,7 @@ class HFTrainEngine:
 
     # --- compute ----------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.cfg.autocast_dtype == "none":
+        if not self.cfg.uses_bf16(self.device):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
@@ -261,13 +262,13 @@ class HFTrainEngine:
 
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=lay.prefix_ids, attention_mask=lay.prefix_mask,
-                   past_key_values=cache, use_cache=True, **self.head.prefix_kwargs)
+                   use_cache=True, **cache_kwargs(self.model, cache), **self.head.prefix_kwargs)
         for layer in cache.layers:  # one cache row per continuation (autograd sums them back)
             layer.keys = layer.keys.index_select(0, lay.group)
             layer.values = layer.values.index_select(0, lay.group)
         out = self.head.raw(self.model(input_ids=lay.cont_ids, attention_mask=lay.cont_mask,
-                                       position_ids=lay.cont_pos, past_key_values=cache,
-                                       use_cache=True))
+                                       position_ids=lay.cont_pos, use_cache=True,
+                                       **cache_kwargs(self.model, cache)))
         values = out.flatten(0, 1)[lay.index]
         full = values.new_zeros((mb.num_tokens, *values.shape[1:]))
         full = full.index_put((lay.token_pos,), values)

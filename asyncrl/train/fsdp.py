@@ -66,13 +66,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def mixed_precision(cfg: TrainEngineConfig) -> MixedPrecisionPolicy:
+def mixed_precision(cfg: TrainEngineConfig, device: torch.device) -> MixedPrecisionPolicy:
     """bf16: all-gather and compute with bf16 weights, reduce-scatter gradients in fp32 into fp32
     shards, so master weights and Adam state stay fp32 as on one process (torchtitan's and verl's
     choice). The engine's autocast stays on as well (verl does the same): the ops autocast keeps
     in fp32 (softmax, norms, the loss) run in fp32 on both paths. The fp32 reduction is for
     precision, not for the backend: gloo reduce-scatters bf16 too (torch 2.13)."""
-    if cfg.autocast_dtype == "bfloat16":
+    if cfg.uses_bf16(device):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()  # everything in the model's own dtype
 
@@ -93,7 +93,7 @@ class FSDP2:
                 device: torch.device) -> torch.nn.Module:
         model = model.to(device)
         mesh = init_device_mesh(device.type, (self.world_size,))
-        mp = mixed_precision(cfg)
+        mp = mixed_precision(cfg, device)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, (tied) lm_head

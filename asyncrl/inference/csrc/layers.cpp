@@ -29,7 +29,7 @@ struct ModelDims {
   int64_t layer_stride;  // cache elements from layer l's k to layer l + 1's k
   int64_t kv_stride;     // cache elements from a layer's k to its v
   float eps;
-  const float* cos;  // fp32 [max_pos, head_dim], sin sign-folded as in llama.py
+  const float* cos;  // fp32 [max_pos, head_dim], sin sign-folded as in decoder.py
   const float* sin;
 };
 
@@ -48,7 +48,7 @@ int forward_f32(const LayerWeights* layers, const ModelDims* d, const float* fin
   float* attn = qkv + rows * d->qkv_n;
   float* act = attn + rows * q_dim;
   const AttnArgs args{rows,  d->heads, d->kv_heads, d->max_len, d->qkv_n,
-                      slots, positions, 1.0f / sqrtf((float)d->head_dim)};
+                      slots, positions, 1.0f / sqrtf((float)d->head_dim), 0};
 #pragma omp parallel num_threads(nthreads)
   {
     for (int64_t l = 0; l < d->num_layers; ++l) {

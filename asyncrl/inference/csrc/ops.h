@@ -14,6 +14,7 @@ struct AttnArgs {
   const int64_t* slots;      // cache slot of each row; nullptr: row i is slot i
   const int64_t* positions;  // position of each row's token
   float scale;
+  int64_t window;  // > 0: a row attends to its last `window` positions only
   int64_t slot(int64_t row) const { return slots ? slots[row] : row; }
 };
 

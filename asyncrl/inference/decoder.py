@@ -1,9 +1,13 @@
-"""A compact Llama / Qwen2 decoder that reads and writes the engine's preallocated KV cache.
+"""The compact decoder: Llama, Mistral, Qwen2/3 and Gemma 3 layers reading and writing the
+engine's preallocated KV cache.
 
 Weights load by their Hugging Face names straight from safetensors (no transformers model object):
 q/k/v projections are fused into one matrix and gate/up into another, so a decode step over the
-whole batch is five matmuls per layer. Two forward entry points share the layer code and differ
-only in attention:
+whole batch is five matmuls per layer. What differs between architectures (decoder_args.py) is a
+few switches in one layer loop: q/k head norms, Gemma's (1 + w) norms around the attention and
+the MLP, the embedding and query scales, the MLP's activation, each layer's sliding window and
+RoPE table (rope_tables.py: transformers' own frequencies, every scaling it ships). Two forward
+entry points share the layer code and differ only in attention:
 
 - `prefill`: right-padded `[n, L]` prompts computed from position 0, K/V written into the
   sequences' slots (causal attention over the fresh K/V; right padding never leaks into real
@@ -12,11 +16,12 @@ only in attention:
   scheduler keeps the running set compact).
 
 On CPU the C++ kernels (`kernels.py`, built on first use) do RoPE, the cache write and attention
-over each row's own positions in one pass, and RMSNorm; in fp32 with `KernelMatmuls` a whole decode
-step is a single C++ call. Without them (no compiler, `cpu_kernels=False`, CUDA) the torch path
-runs: SDPA for prefill, and for decode a batched matmul over `cache[:n, :, :T]` as a view with
-positions past each sequence's length masked. Every tensor the model allocates names its device
-(the one passed in, or its inputs'), so the same code runs on CPU and CUDA.
+over each row's own positions (its window's) in one pass, and RMSNorm; in fp32 with
+`KernelMatmuls` a whole decode step of a plain Llama/Qwen2 is a single C++ call. Without them (no
+compiler, `cpu_kernels=False`, CUDA) the torch path runs: SDPA for prefill, and for decode a
+batched matmul over `cache[:n, :, :T]` as a view with positions past each sequence's length (or
+before its window) masked. Every tensor the model allocates names its device (the one passed in,
+or its inputs'), so the same code runs on CPU and CUDA.
 
 The cache layout is `[num_layers, 2 (k/v), num_slots, num_kv_heads, max_seq_len, head_dim]`.
 """
@@ -25,96 +30,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from asyncrl.inference import kernels
-from asyncrl.inference.vision_tower import language_config
+from asyncrl.inference.decoder_args import DecoderArgs
 from asyncrl.inference.linear import (
     KernelMatmuls,
     Matmuls,
     PlainMatmuls,
     make_fast_matmuls,
 )
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    attention_bias: bool  # Qwen2: q/k/v projections have biases
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    # a vision-language model's M-RoPE: rotary frequency dims per position stream (t, h, w)
-    mrope_section: tuple[int, ...] | None = None
-
-    def num_parameters(self) -> int:
-        """Weights the model holds (a tied lm_head once), as `PreTrainedModel.num_parameters`."""
-        d, qkv = self.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        layer = (
-            2 * d  # the two norms
-            + qkv * d + (qkv if self.attention_bias else 0)
-            + d * self.num_heads * self.head_dim
-            + 3 * self.intermediate_size * d  # gate, up, down
-        )
-        embeds = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embeds + d
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> LlamaArgs:
-        """Raises ValueError naming the first feature this compact model does not implement.
-        A vision-language model's config gives its decoder's (vision_tower.language_config)."""
-        reason = unsupported_reason(cfg)
-        if reason:
-            raise ValueError(f"compact model cannot run this checkpoint: {reason}")
-        cfg = language_config(cfg)
-        rope = cfg.get("rope_parameters") or {}
-        heads = cfg["num_attention_heads"]
-        is_qwen2 = cfg.get("model_type") == "qwen2"
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            attention_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=cfg["max_position_embeddings"],
-            mrope_section=tuple(cfg["mrope_section"]) if cfg.get("mrope_section") else None,
-        )
-
-
-def unsupported_reason(cfg: Mapping[str, Any]) -> str | None:
-    """Why the compact model cannot reproduce this HF config exactly (None if it can)."""
-    cfg = language_config(cfg)  # a vision-language model: its decoder's
-    archs = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        return f"architectures={archs}; supported {list(SUPPORTED_ARCHITECTURES)}"
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return f"rope_type={rope.get('rope_type', rope.get('type'))!r}; supported 'default'"
-    if cfg.get("hidden_act", "silu") != "silu":
-        return f"hidden_act={cfg.get('hidden_act')!r}; supported 'silu'"
-    if cfg.get("mlp_bias"):
-        return "mlp_bias=True; supported False"
-    if cfg.get("use_sliding_window"):
-        return "use_sliding_window=True; supported False"
-    return None
+from asyncrl.inference.rope_tables import DEFAULT_KIND, cos_sin
 
 
 def check_device(device: torch.device, tensors: Iterable[torch.Tensor]) -> None:
@@ -126,13 +54,17 @@ def check_device(device: torch.device, tensors: Iterable[torch.Tensor]) -> None:
 
 @dataclass
 class _Layer:
-    ln1: torch.Tensor
+    ln1: torch.Tensor  # before the attention
     qkv_w: torch.Tensor  # [(H + 2K) * hd, D]: q, k, v stacked
     qkv_b: torch.Tensor | None
     o_w: torch.Tensor
-    ln2: torch.Tensor
+    ln2: torch.Tensor  # before the MLP
     gate_up_w: torch.Tensor  # [2 * I, D]: gate, up stacked
     down_w: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [hd]: Qwen3, Gemma 3
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None  # Gemma 3: after the attention, before the residual
+    post_mlp: torch.Tensor | None = None  # Gemma 3: after the MLP, before the residual
 
 
 @dataclass
@@ -140,21 +72,20 @@ class _Ctx:
     """Per-step tensors shared by every layer."""
 
     cache: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) by rope kind
     n: int
     length: int  # prefill: padded prompt length; decode: attended length T
     slots: torch.Tensor | None = None  # prefill: slot per prompt (kernels: per row)
     positions: torch.Tensor | None = None  # kernels: position of each row's token
     kv_rows: torch.Tensor | None = None  # decode, torch path: rows of the flat layer cache
-    mask: torch.Tensor | None = None  # decode, torch path: additive [n * K, 1, T]
+    masks: dict[int, torch.Tensor] | None = None  # torch path: by window (0: none), additive
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(
-        self, args: LlamaArgs, dtype: torch.dtype = torch.float32,
+        self, args: DecoderArgs, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu", rows_hint: int = 64, fast_matmuls: bool = True,
-        cpu_kernels: bool = True,
+        cpu_kernels: bool = True, max_seq_len: int | None = None,
     ) -> None:
         self.args, self.dtype, self.device = args, dtype, torch.device(device)
         on_cpu = self.device.type == "cpu"
@@ -179,35 +110,40 @@ class LlamaModel:
                 ln2=empty(d),
                 gate_up_w=empty(2 * inter, d),
                 down_w=empty(d, inter),
+                q_norm=empty(hd) if a.qk_norm else None,
+                k_norm=empty(hd) if a.qk_norm else None,
+                post_attn=empty(d) if a.gemma else None,
+                post_mlp=empty(d) if a.gemma else None,
             )
             for _ in range(a.num_layers)
         ]
-        # HF computes RoPE in fp32; rotate_half(x) * sin == roll(x, hd/2) * [-sin, sin]. Built on
-        # the host (the same table on every device), then moved.
+        # Gemma scales the embeddings by sqrt(hidden) rounded to the weights' dtype
+        self.embed_scale = (None if a.embed_scale is None
+                            else torch.tensor(a.embed_scale, dtype=dtype, device=self.device))
+        # RoPE tables as transformers' forward computes them (rope_tables.py), built on the host
+        # (the same table on every device), then moved. M-RoPE decodes at cache position + a
+        # (negative) rope delta: the kernels' tables start `margin` positions before 0, so a
+        # shifted view of them is still inside the table.
         cpu = torch.device("cpu")
-        self.inv_freq = 1.0 / a.rope_theta ** (
-            torch.arange(0, hd, 2, dtype=torch.float32, device=cpu) / hd)
-        # M-RoPE decodes at cache position + a (negative) rope delta: the kernels' tables start
-        # `margin` positions before 0, so a shifted view of them is still inside the table.
-        self.margin = a.max_position_embeddings if a.mrope_section else 0
-        pos = torch.arange(-self.margin, a.max_position_embeddings, dtype=torch.float32,
-                           device=cpu)
-        cos, sin = self._rope_rows(pos[:, None] * self.inv_freq)
-        self.cos, self.sin = cos[self.margin:].to(self.device), sin[self.margin:].to(self.device)
+        length = min(a.max_position_embeddings, max_seq_len or a.max_position_embeddings)
+        self.rope_len, self.margin = length, length if a.mrope_section else 0
+        pos = torch.arange(-self.margin, length, device=cpu)
+        tables = {kind: cos_sin(f, pos, hd, dtype) for kind, f in a.rope.items()}
+        self.rope = {kind: (c[self.margin:].to(self.device), s_[self.margin:].to(self.device))
+                     for kind, (c, s_) in tables.items()}
         if a.mrope_section:  # which position stream rotates each frequency dim
             self.mrope_stream = torch.repeat_interleave(
                 torch.arange(3), torch.tensor(a.mrope_section)).to(self.device)
-            self.inv_freq = self.inv_freq.to(self.device)
+            self.inv_freq = a.rope[DEFAULT_KIND].inv_freq.to(self.device)
         self._kernels = self._load_kernels() if cpu_kernels and on_cpu else None
         # The kernels read fp32 tables holding the values the torch path uses (rounded to dtype).
-        self.cos32 = self.sin32 = None
-        if self._kernels is not None:
-            self._cos32_all, self._sin32_all = cos.float(), sin.float()
-            self.cos32, self.sin32 = self._kernel_rope(0)
+        self._rope32_all = {kind: (c.float(), s_.float()) for kind, (c, s_) in tables.items()}
+        self.rope32 = self._kernel_rope(0) if self._kernels is not None else None
         self._dims: tuple[tuple[int, ...], kernels.ModelDims] | None = None  # per cache shape
         self._targets = self._name_map()
-        check_device(self.device, [*self._targets.values(), self.cos, self.sin])
-        self._plain = PlainMatmuls(self.layers, self.lm_head)
+        check_device(self.device, [*self._targets.values(),
+                                   *(t for pair in self.rope.values() for t in pair)])
+        self._plain = PlainMatmuls(self.layers, self.lm_head, a.activation)
         self._fast: Matmuls | None = None  # built from real weights in load_weights
 
     def _rope_rows(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,13 +151,13 @@ class LlamaModel:
         cos = torch.cat([freqs.cos(), freqs.cos()], -1).to(self.dtype)
         return cos, torch.cat([-freqs.sin(), freqs.sin()], -1).to(self.dtype)
 
-    def _kernel_rope(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kernel_rope(self, offset: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The kernels' fp32 tables viewed so that row p holds position p + offset."""
-        if not -self.margin <= offset < self.args.max_position_embeddings:
+        if not -self.margin <= offset < self.rope_len:
             raise ValueError(f"rope offset {offset} is out of range; allowed "
-                             f"[{-self.margin}, {self.args.max_position_embeddings})")
+                             f"[{-self.margin}, {self.rope_len})")
         start = self.margin + offset
-        return self._cos32_all[start:], self._sin32_all[start:]
+        return {kind: (c[start:], s_[start:]) for kind, (c, s_) in self._rope32_all.items()}
 
     def mrope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [n, L, 1, hd] of M-RoPE positions [3 (t, h, w), n, L]: frequency dim j
@@ -245,7 +181,15 @@ class LlamaModel:
         for i, w in enumerate(self.layers):
             p = f"model.layers.{i}."
             m[p + "input_layernorm.weight"] = w.ln1
-            m[p + "post_attention_layernorm.weight"] = w.ln2
+            if self.args.gemma:  # its post_attention_layernorm follows the attention
+                m[p + "post_attention_layernorm.weight"] = w.post_attn
+                m[p + "pre_feedforward_layernorm.weight"] = w.ln2
+                m[p + "post_feedforward_layernorm.weight"] = w.post_mlp
+            else:
+                m[p + "post_attention_layernorm.weight"] = w.ln2
+            if w.q_norm is not None:
+                m[p + "self_attn.q_norm.weight"] = w.q_norm
+                m[p + "self_attn.k_norm.weight"] = w.k_norm
             parts = (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, None)))
             for name, sl in parts:
                 m[p + f"self_attn.{name}_proj.weight"] = w.qkv_w[sl]
@@ -295,44 +239,68 @@ class LlamaModel:
             self._fast.repack()
         elif self.use_fast and not missing:
             self._fast = make_fast_matmuls(
-                self.layers, self.lm_head, self.rows_hint, self._kernels
+                self.layers, self.lm_head, self.rows_hint, self._kernels, self.args.activation
             )
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.embed)
+        x = F.embedding(tokens, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def _rope(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         return torch.addcmul(x * cos, x.roll(self.args.head_dim // 2, -1), sin, out=out)
 
+    def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3 / Gemma 3: RMSNorm over each query and each key head (before RoPE)."""
+        a, rows = self.args, qkv.shape[0]
+        q = self._norm(qkv[:, :self.q_dim].reshape(rows * a.num_heads, a.head_dim), layer.q_norm)
+        k = self._norm(qkv[:, self.q_dim:self.q_dim + self.kv_dim]
+                       .reshape(rows * a.num_kv_heads, a.head_dim), layer.k_norm)
+        return torch.cat([q.view(rows, self.q_dim), k.view(rows, self.kv_dim),
+                          qkv[:, self.q_dim + self.kv_dim:]], -1)
+
     def _attn_prefill(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
         a, n, length = self.args, c.n, c.length
         h, kvh, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        cos, sin = c.rope[a.layer_rope[layer]]
         qk = qkv[:, : self.q_dim + self.kv_dim].view(n, length, h + kvh, hd)
-        qk = self._rope(qk, c.cos, c.sin)
+        qk = self._rope(qk, cos, sin)
         q = qk[:, :, :h].transpose(1, 2)
         k = qk[:, :, h:].transpose(1, 2)
         v = qkv[:, self.q_dim + self.kv_dim:].view(n, length, kvh, hd).transpose(1, 2)
         c.cache[layer, 0][c.slots, :, :length] = k
         c.cache[layer, 1][c.slots, :, :length] = v
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kvh != h)
+        window = a.windows[layer]
+        mask = None if not window or window >= length else self._window_mask(length, window, q)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=kvh != h, scale=a.scale)
         return o.transpose(1, 2).reshape(n * length, self.q_dim)
 
+    @staticmethod
+    def _window_mask(length: int, window: int, like: torch.Tensor) -> torch.Tensor:
+        """Causal and within the window: query i sees keys j with i - window < j <= i."""
+        i = torch.arange(length, device=like.device)
+        return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
     def _attn_kernel(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
-        """Prefill and decode alike: row r attends to positions [0, c.positions[r]] of its slot."""
+        """Prefill and decode alike: row r attends to positions [0, c.positions[r]] of its slot
+        (the last `window` of them in a sliding-window layer)."""
+        a = self.args
+        cos, sin = c.rope[a.layer_rope[layer]]
         return self._kernels.attention(
-            qkv, c.cache[layer, 0], c.cache[layer, 1], c.cos, c.sin, c.slots,
-            c.positions, self.args.num_heads,
+            qkv, c.cache[layer, 0], c.cache[layer, 1], cos, sin, c.slots,
+            c.positions, a.num_heads, a.scale, a.windows[layer],
         )
 
     def _attn_decode(self, layer: int, qkv: torch.Tensor, c: _Ctx) -> torch.Tensor:
         a, n, t = self.args, c.n, c.length
         h, kvh, hd = a.num_heads, a.num_kv_heads, a.head_dim
+        cos, sin = c.rope[a.layer_rope[layer]]
         qk = qkv[:, : self.q_dim + self.kv_dim].view(n, h + kvh, hd)
         # RoPE in place, so the new k and v are adjacent in each row and reach the cache in one
         # index_copy_ (flat cache rows precomputed per step in `decode`).
-        self._rope(qk, c.cos, c.sin, out=qk)
+        self._rope(qk, cos, sin, out=qk)
         flat = c.cache[layer].view(-1, hd)
         flat.index_copy_(0, c.kv_rows, qkv[:, self.q_dim:].reshape(n * 2 * kvh, hd))
         # GQA without repeating K/V: the h // kvh query heads sharing a kv head form one bmm row
@@ -340,7 +308,7 @@ class LlamaModel:
         k = c.cache[layer, 0, :n, :, :t].reshape(n * kvh, t, hd)
         v = c.cache[layer, 1, :n, :, :t].reshape(n * kvh, t, hd)
         q = qkv[:, : self.q_dim].reshape(n * kvh, h // kvh, hd)
-        scores = torch.baddbmm(c.mask, q, k.transpose(1, 2), alpha=hd**-0.5)
+        scores = torch.baddbmm(c.masks[a.windows[layer]], q, k.transpose(1, 2), alpha=a.scale)
         return torch.bmm(scores.softmax(-1), v).view(n, self.q_dim)
 
     def _layers(
@@ -352,24 +320,35 @@ class LlamaModel:
         mm = self._matmuls(x.shape[0])
         last = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            a = attn(i, mm.qkv(i, self._norm(x, w.ln1)), c)
+            qkv = mm.qkv(i, self._norm(x, w.ln1))
+            if w.q_norm is not None:
+                qkv = self._qk_norm(w, qkv)
+            a = attn(i, qkv, c)
             if keep is not None and i == last:
                 a, x = a[keep], x[keep]
-            x = mm.o_proj_add(i, a, x)
-            x = mm.mlp_add(i, self._norm(x, w.ln2), x)
+            if w.post_attn is None:
+                x = mm.o_proj_add(i, a, x)
+                x = mm.mlp_add(i, self._norm(x, w.ln2), x)
+            else:  # Gemma: each block's output is normed before it joins the residual
+                x = x + self._norm(mm.o_proj_add(i, a, None), w.post_attn)
+                x = x + self._norm(mm.mlp_add(i, self._norm(x, w.ln2), None), w.post_mlp)
         return x
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        eps = self.args.rms_norm_eps
+        if self.args.gemma:  # (1 + w) * normalised x, all in fp32, then rounded once
+            return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + w.float())).to(
+                x.dtype)
         # torch's CPU rms_norm is about eight ops; the kernel is one pass (same fp32 statistics).
         if self._kernels is not None and x.is_contiguous():
-            return self._kernels.rms_norm(x, w, self.args.rms_norm_eps)
-        return F.rms_norm(x, (self.args.hidden_size,), w, self.args.rms_norm_eps)
+            return self._kernels.rms_norm(x, w, eps)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
 
     def _model_dims(self, cache: torch.Tensor, offset: int = 0) -> kernels.ModelDims:
         a, (layers, _, _, kvh, max_len, hd) = self.args, cache.shape
         key = (*cache.shape, offset)
         if self._dims is None or self._dims[0] != key:
-            cos, sin = self._kernel_rope(offset)
+            cos, sin = self._kernel_rope(offset)[DEFAULT_KIND]
             dims = kernels.ModelDims(
                 layers, a.hidden_size, self.q_dim + 2 * self.kv_dim, a.intermediate_size,
                 a.num_heads, kvh, hd, max_len, cache.stride(0), cache.stride(1), a.rms_norm_eps,
@@ -402,24 +381,25 @@ class LlamaModel:
         A multimodal prompt passes its input embeddings [n * L, D] (images filled in) and its
         M-RoPE rows (`mrope_rows`); it runs the torch attention path."""
         n, length = tokens.shape
-        x = F.embedding(tokens.reshape(-1), self.embed) if embeds is None else embeds
+        x = self.embed_tokens(tokens.reshape(-1)) if embeds is None else embeds
         last = torch.arange(n, device=tokens.device) * length + lengths - 1
         if rope is not None:
-            c = _Ctx(cache, rope[0], rope[1], n, length, slots=slots)
+            c = _Ctx(cache, {DEFAULT_KIND: rope}, n, length, slots=slots)
             return self._logits(self._layers(x, self._attn_prefill, c, last))
         if self._use_kernels(cache, tokens, lengths, slots):
             # Padding rows write K/V past their prompt's end: harmless, since decode overwrites
             # a position before any query reads it.
             c = _Ctx(
-                cache, self.cos32, self.sin32, n * length, length,
+                cache, self.rope32, n * length, length,
                 slots=slots.long().repeat_interleave(length),
                 positions=torch.arange(length, device=tokens.device).repeat(n),
             )
             check_device(tokens.device, [c.slots, c.positions])  # read by the C side
             return self._logits(self._layers(x, self._attn_kernel, c, last))
-        cos = self.cos[:length, None]  # [L, 1, hd], broadcast over rows and heads
-        sin = self.sin[:length, None]
-        c = _Ctx(cache, cos, sin, n, length, slots=slots)
+        # [L, 1, hd] per kind, broadcast over rows and heads
+        tables = {kind: (cos[:length, None], sin[:length, None])
+                  for kind, (cos, sin) in self.rope.items()}
+        c = _Ctx(cache, tables, n, length, slots=slots)
         return self._logits(self._layers(x, self._attn_prefill, c, last))
 
     @torch.inference_mode()
@@ -434,16 +414,15 @@ class LlamaModel:
         to each position for the rotation only (one int for every row, as the kernels take it,
         or one per row [n])."""
         n = tokens.shape[0]
-        x = F.embedding(tokens, self.embed)
+        x = self.embed_tokens(tokens)
         per_row = isinstance(rope_offset, torch.Tensor)
         if not per_row and self._use_kernels(cache, tokens, positions):
             positions = positions.long().contiguous()
-            if isinstance(self._fast, KernelMatmuls):
+            if isinstance(self._fast, KernelMatmuls) and self.args.plain:
                 # One C++ call for the whole step: the kernels below without per-op overhead.
                 return self._fast.forward(x, self.norm, cache, positions,
                                           self._model_dims(cache, rope_offset))
-            cos, sin = self._kernel_rope(rope_offset)
-            c = _Ctx(cache, cos, sin, n, 0, positions=positions)
+            c = _Ctx(cache, self._kernel_rope(rope_offset), n, 0, positions=positions)
             return self._logits(self._layers(x, self._attn_kernel, c))
         ctx = self._decode_ctx(cache, positions, attend, positions + rope_offset)
         return self._logits(self._layers(x, self._attn_decode, ctx))
@@ -452,13 +431,19 @@ class LlamaModel:
         self, cache: torch.Tensor, positions: torch.Tensor, attend: int | None = None,
         rope_positions: torch.Tensor | None = None,
     ) -> _Ctx:
-        """The mask and cache rows of the torch attention path."""
+        """The masks and cache rows of the torch attention path."""
         n, dev = positions.shape[0], positions.device
         t = int(positions.max()) + 1 if attend is None else attend
         _, _, slots, kvh, max_len, _ = cache.shape
-        masked = torch.arange(t, device=dev) > positions[:, None]  # [n, T]: past each new token
-        mask = torch.zeros(n, 1, t, dtype=self.dtype, device=dev)
-        mask.masked_fill_(masked[:, None], float("-inf"))
+        keys = torch.arange(t, device=dev)
+        masks = {}
+        for window in set(self.args.windows):
+            masked = keys > positions[:, None]  # [n, T]: past each new token
+            if window:
+                masked |= keys <= positions[:, None] - window
+            mask = torch.zeros(n, 1, t, dtype=self.dtype, device=dev)
+            mask.masked_fill_(masked[:, None], float("-inf"))
+            masks[window] = mask.repeat_interleave(kvh, 0)
         # Row of cache[layer].view(-1, head_dim) for (sequence i, k/v, kv head): matches the
         # order of qkv[:, q_dim:] viewed as [n, 2, kvh, head_dim].
         kv = torch.arange(2, device=dev)[None, :, None]
@@ -466,7 +451,5 @@ class LlamaModel:
         i = torch.arange(n, device=dev)[:, None, None]
         kv_rows = ((kv * slots + i) * kvh + head) * max_len + positions[:, None, None]
         rot = positions if rope_positions is None else rope_positions
-        return _Ctx(
-            cache, self.cos[rot, None], self.sin[rot, None], n, t,
-            kv_rows=kv_rows.reshape(-1), mask=mask.repeat_interleave(kvh, 0),
-        )
+        tables = {kind: (cos[rot, None], sin[rot, None]) for kind, (cos, sin) in self.rope.items()}
+        return _Ctx(cache, tables, n, t, kv_rows=kv_rows.reshape(-1), masks=masks)
