@@ -231,7 +231,7 @@ def _add_eval_parser(sub: Any) -> None:
     ev.add_argument("--temperature", type=float, default=None, metavar="T",
                     help="for pass@k (default 1.0)")
     ev.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                    help="default 1024")
+                    help="default: 1024, or what the model's context leaves after the longest prompt")
     ev.add_argument("--limit", type=int, default=None, metavar="N",
                     help="score only the first N rows")
     ev.add_argument("--reward", default="exact",

@@ -30,6 +30,16 @@ def inference_server(model_dir, *overrides: str) -> Iterator[str]:
     cfg = ServerConfig.load(None, [f"engine.model_path={model_dir}", f"engine.max_seq_len={CTX}",
                                    "engine.max_num_seqs=8", "max_tokens_cap=4", *overrides])
     app, engine = build_server_app(cfg)
+    try:
+        with serve_app(app) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(app) -> Iterator[str]:
+    """An ASGI app under uvicorn on a thread, on an ephemeral port of 127.0.0.1; yields its URL."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
                                            timeout_keep_alive=120))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -38,14 +48,13 @@ def inference_server(model_dir, *overrides: str) -> Iterator[str]:
         deadline = time.monotonic() + 60
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("inference server did not start")
+                raise RuntimeError("server did not start")
             time.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=20)
-        engine.shutdown()
 
 
 @contextlib.contextmanager

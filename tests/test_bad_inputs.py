@@ -119,3 +119,15 @@ def test_training_with_shared_prefixes_warns_nothing(model_dir):
         warnings.simplefilter("error", FutureWarning)
         out = engine.forward(samples)
     assert len(out) == 4 and all(torch.isfinite(x).all() for x in out)
+
+
+def test_a_generation_limit_the_context_cannot_hold_stops_before_step_1(model_dir, tmp_path):
+    """The tiny model's context is 1024 tokens: the real-model default of 1024 new tokens after
+    a prompt does not fit, and the engines never truncate."""
+    run = tmp_path / "run"
+    with pytest.raises(UserError, match=r"^gconfig.max_new_tokens=1024: the first prompt \(\d+ "
+                                        r"tokens\) \+ 1024 = \d+ exceeds the context of 1024 "
+                                        r"tokens.*lower gconfig.max_new_tokens$"):
+        Trainer(small_config(model_dir, run, **{"gconfig.max_new_tokens": 1024})).train(
+            reward=lambda completion, row: 0.0)
+    assert no_steps_ran(run)

@@ -3,9 +3,9 @@
     python tests/transformers_floor.py     # builds it if needed, prints its python
 
 pyproject.toml states the supported range of transformers; the default suite runs at the top of
-it (what `pip install -e .` resolves), and .ci/run runs the tokenizer and model-loading tests
-(tests/test_tokenizer_files.py, tests/test_models.py) again with this venv's python, at the
-bottom. The venv sees the main environment's packages (--system-site-packages: torch, asyncrl
+it (what `pip install -e .` resolves), and .ci/run runs the tokenizer, model-loading and
+native-decoder tests (tests/test_tokenizer_files.py, tests/test_models.py,
+tests/test_engine_archs.py) again with this venv's python, at the bottom. The venv sees the main environment's packages (--system-site-packages: torch, asyncrl
 itself) and holds only transformers at the floor and what that version pins differently
 (tokenizers, huggingface_hub), so it builds in seconds:
 `${ASYNCRL_TRANSFORMERS_FLOOR_VENV:-~/.cache/asyncrl/transformers-<version>-venv}`, with a

@@ -39,6 +39,9 @@ class ArchFeatures:
     attention_bias: bool = False  # q/k/v projections have biases (Qwen2)
     qk_norm: bool = False  # RMSNorm of every query and key head before RoPE (Qwen3, Gemma 3)
     gemma: bool = False  # Gemma 3's norms, embedding scale, attention scale and activation
+    # the transformers major version whose config and rotary module the decoder reads it by
+    # (Gemma 3's per-layer-type RoPE parameters arrived in 5)
+    min_transformers: int = 4
 
 
 ARCHITECTURES: dict[str, ArchFeatures] = {
@@ -46,7 +49,7 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "MistralForCausalLM": ArchFeatures(),
     "Qwen2ForCausalLM": ArchFeatures(attention_bias=True),
     "Qwen3ForCausalLM": ArchFeatures(qk_norm=True),
-    "Gemma3ForCausalLM": ArchFeatures(qk_norm=True, gemma=True),
+    "Gemma3ForCausalLM": ArchFeatures(qk_norm=True, gemma=True, min_transformers=5),
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -189,6 +192,12 @@ def unsupported_reason(cfg: Mapping[str, Any], max_seq_len: int | None = None) -
     archs = raw.get("architectures") or []
     if not any(a in ARCHITECTURES for a in archs):
         return f"architectures={archs}; supported {sorted(ARCHITECTURES)}"
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    if major < features_of(raw).min_transformers:
+        return (f"the native decoder reads {archs[0]} with transformers >= "
+                f"{features_of(raw).min_transformers}; this is {transformers.__version__}")
     try:
         config = hf_config_object(raw)
     except (ValueError, KeyError, TypeError) as err:

@@ -64,6 +64,7 @@ from asyncrl.inference.remote_errors import (
 )
 from asyncrl.inference.remote_weights import RemoteWeights
 from asyncrl.inference.routing import Routing, ServerHealth, ServerPool, ServerState
+from asyncrl.inference.sse import sse_data
 
 log = logging.getLogger(__name__)
 
@@ -287,10 +288,7 @@ class RemoteInferenceEngine:
                 if resp.status_code >= 400:
                     await resp.aread()
                     reply_body(server, call, resp)  # raises the matching error
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
+                async for data in sse_data(resp):
                     if data == "[DONE]":
                         break
                     delta = self.backend.parse_stream_event(json.loads(data))

@@ -29,7 +29,7 @@ from rich.table import Table
 from asyncrl.errors import UserError
 from asyncrl.launch.run_checkpoints import find_policy_dir
 from asyncrl.launch.judge_engine import open_run_reward
-from asyncrl.rollout.answer_eval import EvalConfig, EvalResult, evaluate
+from asyncrl.rollout.answer_eval import DEFAULT_NEW_TOKENS, EvalConfig, EvalResult, evaluate
 
 T = TypeVar("T")
 
@@ -84,10 +84,11 @@ def parse_k_list(text: str, flag: str = "--k") -> list[int]:
 
 
 def _check_lengths(model_dir: Path, tokenizer: Any, rows: list[dict[str, Any]],
-                   max_new_tokens: int, vision: Any = None) -> int:
-    """The context the longest problem needs (so the KV cache is no larger than that; a
-    vision-language model's prompts with their image tokens); UserError when it exceeds the
-    model's window."""
+                   max_new_tokens: int | None, vision: Any = None) -> tuple[int, int]:
+    """(the context the longest problem needs, so the KV cache is no larger than that (a
+    vision-language model's prompts with their image tokens); the answers' token limit):
+    `max_new_tokens`, or unset DEFAULT_NEW_TOKENS where the model's window has room, else what
+    it has. UserError when a given limit does not fit in the window."""
     from asyncrl.inference.model_runner import read_hf_config
     from asyncrl.models.vision import row_prompt
 
@@ -99,14 +100,16 @@ def _check_lengths(model_dir: Path, tokenizer: Any, rows: list[dict[str, Any]],
 
     lengths = [length(row) for row in rows]
     longest = max(range(len(rows)), key=lengths.__getitem__)
-    needed = lengths[longest] + max_new_tokens
     hf_config = read_hf_config(model_dir)
-    window = (hf_config.get("text_config") or hf_config).get("max_position_embeddings", needed)
-    if needed > window:
+    window = (hf_config.get("text_config") or hf_config).get("max_position_embeddings")
+    new_tokens = max_new_tokens or (DEFAULT_NEW_TOKENS if window is None else max(
+        1, min(DEFAULT_NEW_TOKENS, window - lengths[longest])))
+    needed = lengths[longest] + new_tokens
+    if window is not None and needed > window:
         raise UserError(f"problem {rows[longest].get('id')}: prompt ({lengths[longest]} tokens) "
-                        f"+ --max-new-tokens ({max_new_tokens}) = {needed} exceeds the model's "
+                        f"+ --max-new-tokens ({new_tokens}) = {needed} exceeds the model's "
                         f"context of {window} tokens")
-    return needed
+    return needed, new_tokens
 
 
 def print_summary(console: Console, result: EvalResult, title: str) -> None:
@@ -191,7 +194,9 @@ def run_eval_job(
     rows = load_eval_rows(data)[:limit]
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
     vision = vision_encoder(model_dir, trust_remote_code)
-    max_seq_len = _check_lengths(model_dir, tokenizer, rows, cfg.new_tokens, vision)
+    max_seq_len, new_tokens = _check_lengths(model_dir, tokenizer, rows, cfg.max_new_tokens,
+                                             vision)
+    cfg = cfg.model_copy(update={"max_new_tokens": new_tokens})
     n = cfg.samples_per_problem
     sampling = f" + {n} samples at T={cfg.temperature}" if n else ""
     console.print(f"eval: model {model_dir}", soft_wrap=True)  # paths stay greppable: no wrap

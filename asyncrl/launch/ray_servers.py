@@ -42,7 +42,10 @@ def record_placement(run_dir: Path, role: str, nodes: list[dict[str, Any]]) -> N
     path = Path(run_dir) / PLACEMENT_FILE
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[role] = nodes
-    path.write_text(json.dumps(data, indent=1))
+    # whole or not at all: a reader (the user's tools, the tests) never sees it half-written
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 def node_address() -> str:

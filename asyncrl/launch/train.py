@@ -36,6 +36,7 @@ from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.judge_engine import open_run_reward
+from asyncrl.models.chat import encode_chat_prompt
 from asyncrl.models.tokenizer_check import check_chat_round_trip
 from asyncrl.reward.call import check_reward_call
 from asyncrl.launch.progress import TrainProgress
@@ -252,6 +253,9 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
     if first is not None:  # the prompts as the template renders them reach the model intact
         check_chat_round_trip(tokenizer, first["messages"], cfg.model.template_kwargs(),
                               f"model {base}")
+        check_room(cfg, len(encode_chat_prompt(tokenizer, first["messages"],
+                                               template_kwargs=cfg.model.template_kwargs())),
+                   context_length(cfg, group.trainer))
     monitor = RolloutMonitor(cfg.filter_uniform_groups)
     with contextlib.ExitStack() as stack:
         reward = job.reward
@@ -324,6 +328,20 @@ def the_workflow(job: TrainJob, ctx: WorkflowContext) -> RolloutWorkflow:
     agent_cfg = cfg.workflow if isinstance(cfg.workflow, AgentWorkflowConfig) else \
         AgentWorkflowConfig()
     return workflow_from_object(job.workflow, agent_cfg, ctx)
+
+
+def check_room(cfg: TrainRunConfig, prompt_tokens: int, context: int | None) -> None:
+    """UserError, before step 1, when a completion of gconfig.max_new_tokens (or an eval
+    answer of eval.max_new_tokens) after the first prompt would not fit in the context: the
+    engines never truncate, so every episode would fail."""
+    limits = {"gconfig.max_new_tokens": cfg.gconfig.max_new_tokens,
+              "eval.max_new_tokens": cfg.evaluation.max_new_tokens}
+    for setting, tokens in limits.items():
+        if context is not None and prompt_tokens + tokens > context:
+            raise UserError(f"{setting}={tokens}: the first prompt ({prompt_tokens} tokens) + "
+                            f"{tokens} = {prompt_tokens + tokens} exceeds the context of {context} "
+                            "tokens (the model's max_position_embeddings, or "
+                            f"inference.engine.max_seq_len); lower {setting}")
 
 
 def context_length(cfg: TrainRunConfig, trainer: Any) -> int | None:

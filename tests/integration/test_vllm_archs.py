@@ -65,14 +65,10 @@ def build(name: str, root: Path):
     return v0, v1, model
 
 
-def sample(engine: RemoteInferenceEngine, tag: str):
+async def sample(engine: RemoteInferenceEngine, tag: str):
     g = GenerationConfig(max_new_tokens=24, temperature=1.0)
-
-    async def run():
-        return await asyncio.gather(*(engine.agenerate(ModelRequest(p, g, rid=f"{tag}-{i}"))
-                                      for i, p in enumerate(PROMPTS)))
-
-    return asyncio.run(run())
+    return await asyncio.gather(*(engine.agenerate(ModelRequest(p, g, rid=f"{tag}-{i}"))
+                                  for i, p in enumerate(PROMPTS)))
 
 
 def check(model, responses, version: int) -> None:
@@ -91,11 +87,18 @@ def test_vllm_serves_it_with_the_trainers_logprobs_before_and_after_a_push(
     cmd = lambda key: server_command("vllm", str(v0), python=vllm_python,  # noqa: E731
                                      engine=EngineSettings(max_num_seqs=8, max_seq_len=128),
                                      api_key=key)
+
+    async def run(engine):
+        await engine.check_servers(str(v0))
+        before = await sample(engine, "v0")
+        await engine.update_weights(WeightUpdateMeta.from_disk(str(v1), 1))
+        after = await sample(engine, "v1")
+        await engine.aclose()
+        return before, after
+
     with LocalServers(cmd, 1, tmp_path / "logs", 300, api_key=KEY) as servers:
         engine = RemoteInferenceEngine(RemoteEngineConfig(addresses=servers.urls, api_key=KEY),
                                        make_backend("vllm"))
-        asyncio.run(engine.check_servers(str(v0)))
-        check(model_v0, sample(engine, "v0"), 0)
-        engine.update_weights(WeightUpdateMeta.from_disk(str(v1), 1))
-        check(model_v1, sample(engine, "v1"), 1)
-        engine.close()
+        before, after = asyncio.run(run(engine))
+    check(model_v0, before, 0)
+    check(model_v1, after, 1)
