@@ -119,7 +119,10 @@ def test_a_weight_update_mid_generation_splits_versions_exactly(name, built, pro
     for _ in range(7):  # one prefill, then 6 decode steps
         eng.step()
     new_sd = perturbed(model)
+    storage = {k: t.data_ptr() for k, t in eng.runner.model._targets.items()}
     eng.update_weights_from_state_dict(new_sd, version=1)
+    # copied in place: every parameter keeps its storage (what a captured CUDA graph reads)
+    assert {k: t.data_ptr() for k, t in eng.runner.model._targets.items()} == storage
     done = []
     while eng.has_unfinished():
         done += eng.step()

@@ -304,11 +304,18 @@ def test_padded_layout_places_each_token(model_dir):
                                     for i in mb.sample_index]
 
 
-def test_auto_layout_packs_only_for_flash_attention(model_dir):
-    assert engine(model_dir).padded  # sdpa on CPU: a packed row would be a dense N x N mask
+def test_auto_layout_packs_text_and_pads_images(model_dir):
+    """A text model trains packed rows (varlen attention, or its flash kernel); a
+    vision-language model padded rows."""
+    text = engine(model_dir)
+    assert not text.padded and text.model.config._attn_implementation == "asyncrl_varlen"
     model = load_causal_lm(model_dir)
     model.config._attn_implementation = "flash_attention_2"
     assert not HFTrainEngine(model, TrainEngineConfig()).padded
+    assert model.config._attn_implementation == "flash_attention_2"  # kept
+    model = load_causal_lm(model_dir)
+    model.config.vision_config = {"depth": 1}
+    assert HFTrainEngine(model, TrainEngineConfig()).padded
 
 
 def test_config_rejects_bad_budget():

@@ -90,20 +90,24 @@ def lora_enabled(cfg: LoraConfig | None) -> bool:
 class TrainEngineConfig(Config):
     """How a model trains: micro-batching, attention layout, precision, device, optimizer."""
 
-    # micro-batch size in tokens (sequences are packed)
-    max_tokens_per_mb: int = pydantic.Field(1024, ge=1)
-    # How a micro-batch's samples reach the model. "packed": one row with restarting
-    # position_ids (no padding; flash-attention derives varlen offsets from them, but SDPA and
-    # eager attend it through a dense N x N block-diagonal mask). "padded": k right-padded rows
-    # with an attention mask (k * L^2 attention, some padding). "auto": packed when the model
-    # runs a flash-attention kernel, else padded.
+    # micro-batch size in tokens (sequences are packed). None: 1024 on a CPU; on a GPU sized
+    # for the card and the model (`micro_batch_tokens`)
+    max_tokens_per_mb: int | None = pydantic.Field(None, ge=1)
+    # How a micro-batch's samples reach the model. "packed": one row, attention over each
+    # sample's own tokens only (train/varlen_attention.py; flash-attention models keep their
+    # kernel), nothing computed for padding. "padded": k right-padded rows with an attention mask
+    # (needed for images). "auto": padded for a vision-language model, else packed, except a
+    # micro-batch whose shared prompts (below) compute fewer positions than its packed row.
     attention_layout: Literal["auto", "packed", "padded"] = "auto"
-    # Padded layout: samples of a micro-batch with the same prompt (a GRPO group) run it once;
-    # their continuations attend to it through a KV cache, gradients flow into it from all of
-    # them. Same logprobs and gradients, 2.3x the tokens/s of "padded" on the main job (bench_train
-    # --task grpo). Not used with
-    # gradient checkpointing (which drops the cache), the packed layout, or FSDP.
+    # Samples of a micro-batch with the same prompt (a GRPO group) run it once; their
+    # continuations attend to it through a KV cache, gradients flow into it from all of them.
+    # Always in the padded layout, where it pays in auto. Not used with gradient checkpointing
+    # (which drops the cache), the packed layout, or FSDP.
     share_prefixes: bool = True
+    # Logprobs (and entropies) from the last hidden states this many tokens at a time, never
+    # holding the [tokens, vocab] logits (train/chunked_logprobs.py); 0 computes the full logits.
+    # Single-process policies whose head is a plain linear layer; others compute full logits.
+    logprob_chunk_tokens: int = pydantic.Field(1024, ge=0)
     optimizer: OptimizerConfig = OptimizerConfig()
     # bf16 autocast keeps fp32 master weights and optimizer state; "none" runs in model dtype;
     # "auto": bf16 on a CUDA device that has it, else none. Under FSDP bf16 also gathers the
@@ -121,6 +125,31 @@ class TrainEngineConfig(Config):
         import torch
 
         return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+    def micro_batch_tokens(self, model_config: Any, device: Any) -> int:
+        """`max_tokens_per_mb`, or its default: 1024 on a CPU; on a GPU the power of two whose
+        activations (about 40 bytes per layer and hidden unit of a token) fill a third of the
+        card's memory, in [1024, 32768]."""
+        if self.max_tokens_per_mb is not None:
+            return self.max_tokens_per_mb
+        if device.type != "cuda":
+            return 1024
+        import torch
+
+        text = getattr(model_config, "text_config", None) or model_config
+        per_token = 40 * text.num_hidden_layers * text.hidden_size
+        memory = torch.cuda.get_device_properties(device).total_memory
+        return default_gpu_micro_batch(memory, per_token)
+
+
+def default_gpu_micro_batch(memory_bytes: int, bytes_per_token: int) -> int:
+    """The largest power of two of tokens whose activations fit a third of `memory_bytes`,
+    clamped to [1024, 32768]."""
+    fit = memory_bytes // 3 // max(1, bytes_per_token)
+    tokens = 1024
+    while tokens * 2 <= min(fit, 32768):
+        tokens *= 2
+    return tokens
 
 
 class PolicyTrainConfig(TrainEngineConfig):

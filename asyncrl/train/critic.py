@@ -56,11 +56,12 @@ class ValueModel(torch.nn.Module):
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None, use_cache: bool = False,
-        cache: Any = None,
+        cache: Any = None, **attention_kwargs: Any,
     ) -> torch.Tensor:
+        """`attention_kwargs`: a packed row's boundaries (varlen_attention.packed_kwargs)."""
         out = self.model(input_ids=input_ids, position_ids=position_ids,
                          attention_mask=attention_mask, use_cache=use_cache,
-                         **cache_kwargs(self.model, cache))
+                         **cache_kwargs(self.model, cache), **attention_kwargs)
         hidden = out.last_hidden_state
         # The head runs in its own (fp32 master) dtype; under autocast Linear casts anyway.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)

@@ -39,7 +39,7 @@ from asyncrl.models.device import resolve_device
 from asyncrl.models.kv_cache_arg import cache_kwargs
 from asyncrl.train.aggregation import normalizer_count
 from asyncrl.train.config import LoraConfig, TrainEngineConfig, lora_enabled
-from asyncrl.train.heads import LogprobHead, OutputHead
+from asyncrl.train.heads import ChunkedLogprobHead, LogprobHead, OutputHead, split_output_head
 from asyncrl.train.losses import sft_loss
 from asyncrl.train.lora import adapter_state_dict, apply_lora, merged_state_dict
 from asyncrl.train.optim import build_optimizer
@@ -55,6 +55,7 @@ from asyncrl.train.packing import (
     unpack,
 )
 from asyncrl.train.parallel import Parallelism, SingleProcess
+from asyncrl.train.varlen_attention import packed_kwargs, packed_rows, use_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,15 @@ class HFTrainEngine:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.micro_batch_tokens = self.cfg.micro_batch_tokens(model.config, self.device)
         self.padded = self.cfg.attention_layout == "padded" or (
             self.cfg.attention_layout == "auto"
-            and "flash" not in str(getattr(model.config, "_attn_implementation", "")))
-        self.share_prefixes = (self.padded and self.cfg.share_prefixes
+            and getattr(model.config, "vision_config", None) is not None)
+        if not self.padded:
+            use_packed_attention(model)
+        # auto also shares a micro-batch's prompts when that computes fewer positions than its
+        # packed row (many samples of one prompt, short answers)
+        self.share_prefixes = (self.cfg.attention_layout != "packed" and self.cfg.share_prefixes
                                and not self.cfg.gradient_checkpointing
                                and self.parallel.shares_prefixes)
         # a forward-only engine (the reference) is the base model: no adapter
@@ -135,6 +141,17 @@ class HFTrainEngine:
         if self.lora is not None:
             model = apply_lora(model, self.lora)  # before sharding: FSDP shards A and B too
         self.model = self.parallel.prepare(model, self.cfg, self.device)
+        # the trunk the chunked logprob head runs (None: the whole model, full logits)
+        self.trunk: torch.nn.Module | None = None
+        if (isinstance(self.head, LogprobHead) and self.cfg.logprob_chunk_tokens
+                and self.parallel.splits_head):
+            split = split_output_head(self.model)
+            if isinstance(split, str):
+                log.info("logprobs from full logits: %s", split)
+            else:
+                self.trunk = split[0]
+                self.head = ChunkedLogprobHead(split[1], self.head.temperature,
+                                               self.cfg.logprob_chunk_tokens)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if trainable:
@@ -229,18 +246,23 @@ class HFTrainEngine:
                              "without flash-attention): a packed row has no per-sample "
                              "multimodal positions")
         with self._autocast():
+            shared = shared_prefix_layout(mb) if self.share_prefixes else None
+            if shared is not None and (self.padded or shared.computed_tokens < mb.num_tokens):
+                return self._shared_prefix_outputs(mb, shared)
             if self.padded:
-                shared = shared_prefix_layout(mb) if self.share_prefixes else None
-                if shared is not None:
-                    return self._shared_prefix_outputs(mb, shared)
                 ids, mask, index = padded_layout(mb)
-                out = self.head.raw(self.model(attention_mask=mask, use_cache=False,
-                                               **self._image_kwargs(mb, ids, index)))
+                out = self.head.raw(self._run(attention_mask=mask, use_cache=False,
+                                              **self._image_kwargs(mb, ids, index)))
                 return out.flatten(0, 1)[index], None
-            # No attention_mask and no cache: transformers then reads sample boundaries off the
-            # restarting position_ids and builds a block-diagonal causal mask.
-            out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+            # One row; each sample attends to its own tokens (varlen_attention.py)
+            with packed_rows():
+                out = self._run(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                use_cache=False, **packed_kwargs(mb.cu_seqlens))
             return self.head.raw(out)[0], None
+
+    def _run(self, **inputs: Any) -> Any:
+        """The forward the head reads: the trunk's (chunked logprobs) or the whole model's."""
+        return (self.trunk or self.model)(**inputs)
 
     def _image_kwargs(self, mb: PackedMicroBatch, ids: torch.Tensor, index: torch.Tensor
                       ) -> dict[str, Any]:
@@ -261,14 +283,14 @@ class HFTrainEngine:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=lay.prefix_ids, attention_mask=lay.prefix_mask,
-                   use_cache=True, **cache_kwargs(self.model, cache), **self.head.prefix_kwargs)
+        self._run(input_ids=lay.prefix_ids, attention_mask=lay.prefix_mask,
+                  use_cache=True, **cache_kwargs(self.model, cache), **self.head.prefix_kwargs)
         for layer in cache.layers:  # one cache row per continuation (autograd sums them back)
             layer.keys = layer.keys.index_select(0, lay.group)
             layer.values = layer.values.index_select(0, lay.group)
-        out = self.head.raw(self.model(input_ids=lay.cont_ids, attention_mask=lay.cont_mask,
-                                       position_ids=lay.cont_pos, use_cache=True,
-                                       **cache_kwargs(self.model, cache)))
+        out = self.head.raw(self._run(input_ids=lay.cont_ids, attention_mask=lay.cont_mask,
+                                      position_ids=lay.cont_pos, use_cache=True,
+                                      **cache_kwargs(self.model, cache)))
         values = out.flatten(0, 1)[lay.index]
         full = values.new_zeros((mb.num_tokens, *values.shape[1:]))
         full = full.index_put((lay.token_pos,), values)
@@ -299,7 +321,7 @@ class HFTrainEngine:
     ) -> tuple[list[PackedMicroBatch], int]:
         """This rank's micro-batches and the count every rank runs (for lock-step collectives)."""
         groups = plan_micro_batches(samples, self.parallel.local_indices(samples),
-                                    self.cfg.max_tokens_per_mb, self.share_prefixes,
+                                    self.micro_batch_tokens, self.share_prefixes,
                                     agree=self.parallel.all_max)
         return [pack_samples(samples, g, token_data) for g in groups if g], len(groups)
 

@@ -82,6 +82,7 @@ class FSDP2:
     Every rank calls every engine method, in the same order."""
 
     shares_prefixes = False  # a shared prompt's KV cache is invisible to FSDP2's backward hooks
+    splits_head = False  # the root's hook gathers the embedding and the output matrix
 
     def __init__(self, device: str | None = None) -> None:
         """`device`: the trainer's (train.device; None: auto), which picks NCCL or gloo."""

@@ -259,6 +259,11 @@ class SharedPrefixLayout:
     index: torch.Tensor
     token_pos: torch.Tensor
 
+    @property
+    def computed_tokens(self) -> int:
+        """Positions its two forwards compute, padding included."""
+        return self.prefix_ids.numel() + self.cont_ids.numel()
+
 
 def shared_prefix_layout(mb: PackedMicroBatch) -> SharedPrefixLayout | None:
     """The layout computing each shared prefix once; None when no two samples share one, or

@@ -22,6 +22,9 @@ class Parallelism(Protocol):
     # a shared prompt may reach the loss through a KV cache (train.share_prefixes); FSDP2's
     # backward hooks do not see the cache, so it cannot
     shares_prefixes: bool
+    # the model's trunk may run without its root module (the chunked logprob head calls the
+    # trunk and the output matrix itself); FSDP2 gathers the root's weights in the root's hook
+    splits_head: bool
 
     def prepare(self, model: torch.nn.Module, cfg: TrainEngineConfig,
                 device: torch.device) -> torch.nn.Module:
@@ -55,7 +58,7 @@ class Parallelism(Protocol):
 
 
 class SingleProcess:
-    world_size, rank, shares_prefixes = 1, 0, True
+    world_size, rank, shares_prefixes, splits_head = 1, 0, True, True
 
     def prepare(self, model: torch.nn.Module, cfg: TrainEngineConfig,
                 device: torch.device) -> torch.nn.Module:
