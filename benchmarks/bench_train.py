@@ -24,7 +24,7 @@ Run from the repository root:
     python benchmarks/bench_train.py                                   # fp32
     python benchmarks/bench_train.py --dtype float32,bfloat16 --repeats 3
     python benchmarks/bench_train.py --samples 32 --max-len 512
-    python benchmarks/bench_train.py --task grpo --layouts packed,padded,shared
+    python benchmarks/bench_train.py --task grpo --layouts auto,packed,padded,shared
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def make_grpo_samples(groups: int = 16, per_group: int = 8, seed: int = 0) -> li
     return out
 
 
-LAYOUTS = {"packed": {"attention_layout": "packed"},
+LAYOUTS = {"auto": {"attention_layout": "auto"},
+           "packed": {"attention_layout": "packed"},
            "padded": {"attention_layout": "padded", "share_prefixes": False},
            "shared": {"attention_layout": "padded", "share_prefixes": True}}
 
@@ -125,8 +126,9 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def bench_dtype(args: argparse.Namespace, path: str, samples: list[Sample]
-                ) -> tuple[float, dict[str, float]]:
-    """HF's and each layout's best real tokens/s for one dtype setting."""
+                ) -> tuple[float, dict[str, float], dict[str, float]]:
+    """HF's and each layout's best real tokens/s for one dtype setting, and the positions each
+    layout computes per real token."""
     bf16 = args.current_dtype == "bfloat16"
     engines = {name: HFTrainEngine(load_causal_lm(path), TrainEngineConfig(
         max_tokens_per_mb=args.max_tokens_per_mb, optimizer=OPTIM, device="cpu",
@@ -143,7 +145,9 @@ def bench_dtype(args: argparse.Namespace, path: str, samples: list[Sample]
                 ours_best[name] = max(ours_best[name], tps)
         if rep:
             hf_best = max(hf_best, hf_tps)
-    return hf_best, ours_best
+    # positions each layout computed in its last step (padding included) per real token
+    computed = {name: e.positions_computed / tokens for name, e in engines.items()}
+    return hf_best, ours_best, computed
 
 
 def padding_share(samples: Sequence[Sample], batch: int) -> float:
@@ -164,7 +168,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32",
                     help="comma-separated from float32, bfloat16 (bf16 = autocast, fp32 master)")
     ap.add_argument("--task", choices=["random", "grpo"], default="random")
-    ap.add_argument("--layouts", default="packed",
+    ap.add_argument("--layouts", default="auto",
                     help=f"ours, comma-separated from {', '.join(LAYOUTS)}")
     args = ap.parse_args()
     args.layouts = args.layouts.split(",")
@@ -193,13 +197,14 @@ def main() -> None:
           f"{args.max_tokens_per_mb} tok/mb | fp32 matmul {gflops:.0f} GFLOP/s -> roofline "
           f"{roofline:,.0f} tok/s | load {os.getloadavg()[0]:.2f}")
     print(f"{'dtype':>9} {'layout':>7} {'HF tok/s':>10} {'ours tok/s':>11} {'ours/HF':>8} "
-          f"{'HF roof':>8} {'ours roof':>10}")
+          f"{'HF roof':>8} {'ours roof':>10} {'computed/real':>14}")
     for dtype in dtypes:
         args.current_dtype = dtype
-        hf, ours = bench_dtype(args, path, samples)
+        hf, ours, computed = bench_dtype(args, path, samples)
         for name, tps in ours.items():
             print(f"{dtype:>9} {name:>7} {hf:10,.0f} {tps:11,.0f} {tps / hf:8.2f} "
-                  f"{hf / roofline:8.1%} {tps / roofline:10.1%}", flush=True)
+                  f"{hf / roofline:8.1%} {tps / roofline:10.1%} {computed[name]:14.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

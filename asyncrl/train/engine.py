@@ -141,6 +141,9 @@ class HFTrainEngine:
         if self.lora is not None:
             model = apply_lora(model, self.lora)  # before sharding: FSDP shards A and B too
         self.model = self.parallel.prepare(model, self.cfg, self.device)
+        # positions the model computed (padding included), against the real tokens of
+        # `train_batch`'s micro-batches: its stat train/computed_per_real_token
+        self.positions_computed = 0
         # the trunk the chunked logprob head runs (None: the whole model, full logits)
         self.trunk: torch.nn.Module | None = None
         if (isinstance(self.head, LogprobHead) and self.cfg.logprob_chunk_tokens
@@ -248,13 +251,16 @@ class HFTrainEngine:
         with self._autocast():
             shared = shared_prefix_layout(mb) if self.share_prefixes else None
             if shared is not None and (self.padded or shared.computed_tokens < mb.num_tokens):
+                self.positions_computed += shared.computed_tokens
                 return self._shared_prefix_outputs(mb, shared)
             if self.padded:
                 ids, mask, index = padded_layout(mb)
+                self.positions_computed += ids.numel()
                 out = self.head.raw(self._run(attention_mask=mask, use_cache=False,
                                               **self._image_kwargs(mb, ids, index)))
                 return out.flatten(0, 1)[index], None
             # One row; each sample attends to its own tokens (varlen_attention.py)
+            self.positions_computed += mb.num_tokens
             with packed_rows():
                 out = self._run(input_ids=mb.input_ids, position_ids=mb.position_ids,
                                 use_cache=False, **packed_kwargs(mb.cu_seqlens))
@@ -373,6 +379,7 @@ class HFTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss = torch.zeros((), device=self.device)
         weighted: dict[str, float] = {}
+        self.positions_computed = 0
         for k in range(count):
             if k >= len(mbs):
                 self.per_token(self._dummy_micro_batch()).sum().mul(0.0).backward()
@@ -387,7 +394,10 @@ class HFTrainEngine:
             w = float(mb.loss_mask.sum()) / float(tokens)  # stats: token-weighted means
             for name, value in stats.items():
                 weighted[name] = weighted.get(name, 0.0) + w * value
-        return self._finish_step(total_loss, weighted, tokens, count)
+        stats = self._finish_step(total_loss, weighted, tokens, count)
+        stats["train/computed_per_real_token"] = self.positions_computed / max(
+            1, sum(mb.num_tokens for mb in mbs))
+        return stats
 
     def _global_count(self, mbs: list[PackedMicroBatch], unit: str) -> torch.Tensor:
         """Trained tokens, or sequences with a trained token, over this step on every rank."""
