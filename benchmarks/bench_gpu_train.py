@@ -48,8 +48,10 @@ OPTIM = OptimizerConfig(lr=1e-5, grad_clip=None, weight_decay=0.0)
 REGULAR_TOKENS = 151_643
 
 
-def bench(args: argparse.Namespace, path: str, samples: list[Sample]) -> tuple[float, float]:
-    """(HF, ours) best real tokens/s."""
+def bench(args: argparse.Namespace, path: str, samples: list[Sample]
+          ) -> tuple[float, float, float, int]:
+    """(HF, ours) best real tokens/s, the positions ours computed per real token, and its
+    micro-batch budget."""
     ours = HFTrainEngine(load_causal_lm(path, dtype="float32"), TrainEngineConfig(
         max_tokens_per_mb=args.max_tokens_per_mb, optimizer=OPTIM, device=str(args.device),
         autocast_dtype="bfloat16"))
@@ -61,7 +63,14 @@ def bench(args: argparse.Namespace, path: str, samples: list[Sample]) -> tuple[f
         ours_tps = tokens / timed(lambda: ours.train_batch(samples, sft_token_loss), args.device)
         if rep:
             hf_best, ours_best = max(hf_best, hf_tps), max(ours_best, ours_tps)
-    return hf_best, ours_best
+    return hf_best, ours_best, ours.positions_computed / tokens, ours.micro_batch_tokens
+
+
+def hf_padded(samples: list[Sample], batch: int) -> int:
+    """Positions the baseline computes: each chunk of `batch` samples padded to its longest."""
+    lengths = [len(s.input_ids) for s in samples]
+    return sum(len(c) * max(c) for c in (lengths[i:i + batch]
+                                          for i in range(0, len(lengths), batch)))
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,7 +80,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--max-tokens-per-mb", type=int, default=16384, help="ours: packing budget")
+    ap.add_argument("--max-tokens-per-mb", type=int, default=None,
+                    help="ours: packing budget (default: the engine's, sized for the card)")
     ap.add_argument("--hf-batch", type=int, default=8, help="baseline: samples per padded chunk")
     ap.add_argument("--repeats", type=int, default=3, help="best of N (after one warm-up)")
     ap.add_argument("--peak-flops", type=float, default=H100_BF16_DENSE_FLOPS,
@@ -99,9 +109,11 @@ def main() -> None:
     print(f"{args.preset}: {params / 1e6:.1f}M params, fp32 master + bf16 autocast | "
           f"{device_name(args.device)} | bf16 matmul {gflops:,.0f} GFLOP/s | peak "
           f"{args.peak_flops / 1e12:,.0f} TFLOP/s | {len(samples)} samples, len "
-          f"U[{args.min_len}, {args.max_len}], {tokens} tokens | HF chunks of {args.hf_batch}, "
-          f"ours {args.max_tokens_per_mb} tok/mb | load {os.getloadavg()[0]:.2f}")
-    hf, ours = bench(args, path, samples)
+          f"U[{args.min_len}, {args.max_len}], {tokens} tokens | HF chunks of {args.hf_batch} "
+          f"({hf_padded(samples, args.hf_batch) / tokens:.2f} computed per real token) | "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    hf, ours, computed, budget = bench(args, path, samples)
+    print(f"ours: {budget} tokens per micro-batch, {computed:.2f} computed per real token")
     flops_per_token = 6 * params
 
     def mfu(tps: float) -> float:
@@ -116,7 +128,10 @@ def main() -> None:
     finish({"bench": "gpu_train", "device": device_name(args.device), "preset": args.preset,
             "params": params, "tokens_per_step": tokens, "matmul_gflops_bf16": gflops,
             "peak_flops": args.peak_flops, "hf_tok_s": hf, "ours_tok_s": ours,
-            "ours_over_hf": ours / hf, "hf_mfu": mfu(hf), "ours_mfu": mfu(ours)}, args.record)
+            "ours_over_hf": ours / hf, "hf_mfu": mfu(hf), "ours_mfu": mfu(ours),
+            "ours_tokens_per_mb": budget, "ours_computed_per_real_token": computed,
+            "hf_computed_per_real_token": hf_padded(samples, args.hf_batch) / tokens},
+           args.record)
 
 
 if __name__ == "__main__":

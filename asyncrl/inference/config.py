@@ -37,6 +37,9 @@ class EngineSettings(Config):
     # native on CPU: C++ attention, RMSNorm and (fp32, with fast_matmuls) matmuls, compiled on
     # first use; the torch / oneDNN path when they cannot be built
     cpu_kernels: bool = True
+    # native on CUDA: decode steps have bucketed shapes and replay one CUDA graph per (batch,
+    # length) bucket, captured on first use (prefill and sampling run eagerly); off: eager steps
+    cuda_graphs: bool = True
     seed: int = 0  # sampling noise of requests without their own seed
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
     # Threads of the C++ kernels, set for the engine thread only (a trainer in the same process

@@ -77,6 +77,7 @@ class LLMEngine:
         self.runner = load_runner(
             config.model_path, config.backend, num_slots, self.max_seq_len, dtype, hf_config,
             self.device, config.fast_matmuls, config.cpu_kernels, config.trust_remote_code,
+            config.cuda_graphs,
         )
         self.vocab_size = self.runner.vocab_size
         eos = [] if config.ignore_eos else read_eos_ids(config.model_path, hf_config)

@@ -97,6 +97,96 @@ def iter_safetensors(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read .safetensors weights at {str(file)!r}: {err}") from err
 
 
+def bucket(n: int, cap: int) -> int:
+    """The smallest power of two >= n, at most `cap`."""
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+class StaticDecode:
+    """Decode steps whose shapes come from a few buckets: the batch rounded up to a power of two
+    (padding rows sit in free cache slots: the running set is compact, so slots n.. hold no live
+    sequence, and a prefill rewrites every position before a query reads it) and the attended
+    length rounded up likewise (the extra keys are masked). Inputs go through preallocated
+    buffers (pinned on the host, one copy to the device), masks and RoPE rows are built on the
+    device from the positions, and nothing reads the device back: the sampler's result is the
+    step's one host sync.
+
+    With `cuda_graphs`, each (batch, length) bucket's step (layers and head; sampling stays
+    outside) is captured as a CUDA graph on its first use and replayed after: the inputs, the
+    cache, the weights (updated in place, `DecoderModel.load_weights`) and the logits buffer keep
+    their addresses, so a graph stays valid across weight updates. Graphs share one memory pool
+    (one runs at a time) and write one logits buffer. A bucket whose capture fails runs eagerly,
+    logged once.
+    """
+
+    def __init__(self, num_slots: int, max_seq_len: int, device: torch.device,
+                 cuda_graphs: bool = False) -> None:
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        # a step of `rows` rows reads [tokens, positions, rope deltas] from the first 3 * rows
+        # entries: one contiguous copy from pinned host memory. The host buffer is rewritten only
+        # after the step's sampler read its result, so the previous copy has landed.
+        self.host = torch.zeros(3 * num_slots, dtype=torch.long,
+                                pin_memory=device.type == "cuda")
+        self.inputs = torch.zeros(3 * num_slots, dtype=torch.long, device=device)
+        self.graphs_on = cuda_graphs and device.type == "cuda"
+        self.graphs: dict[tuple[int, int], Any] = {}  # bucket -> CUDAGraph, or None: eager
+        self.logits: torch.Tensor | None = None
+        self.pool: Any = None
+        self.capture_seconds = 0.0  # spent capturing, for benchmarks
+
+    def decode(self, model: DecoderModel, cache: torch.Tensor, tokens: list[int],
+               positions: list[int], deltas: list[int]) -> torch.Tensor:
+        """Logits [n, V] of the n running sequences' next tokens."""
+        n = len(tokens)
+        rows = bucket(n, self.num_slots)
+        attend = bucket(max(positions) + 1, self.max_seq_len)
+        pad = [0] * (rows - n)
+        self.host[:3 * rows] = torch.tensor(tokens + pad + positions + pad + deltas + pad)
+        self.inputs[:3 * rows].copy_(self.host[:3 * rows], non_blocking=True)
+        tok, pos, delta = self.inputs[:3 * rows].view(3, rows)
+        if self.graphs_on:
+            key = (rows, attend)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key, model, cache, tok, pos, delta)
+            graph = self.graphs[key]
+            if graph is not None:
+                graph.replay()
+                return self.logits[:n]
+        same = len(set(deltas)) == 1
+        return model.decode(tok, pos, cache, attend=attend,
+                            rope_offset=deltas[0] if same else delta)[:n]
+
+    def _capture(self, key: tuple[int, int], model: DecoderModel, cache: torch.Tensor,
+                 tok: torch.Tensor, pos: torch.Tensor, delta: torch.Tensor) -> Any:
+        """The bucket's graph, after one eager warm-up run on a side stream (it writes this
+        step's K/V, which the replay writes again, identically); None if capture fails."""
+        import time
+
+        start = time.perf_counter()
+        rows, attend = key
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                warm = model.decode(tok, pos, cache, attend=attend, rope_offset=delta)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.logits is None:
+                self.logits = torch.empty(self.num_slots, warm.shape[1], dtype=warm.dtype,
+                                          device=warm.device)
+                self.pool = torch.cuda.graph_pool_handle()
+            del warm
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = model.decode(tok, pos, cache, attend=attend, rope_offset=delta)
+                self.logits[:rows].copy_(out)
+        except RuntimeError as err:
+            logger.warning("decode bucket of %d rows x %d positions runs without a CUDA graph: "
+                           "its capture failed (%s)", rows, attend, err)
+            return None
+        self.capture_seconds += time.perf_counter() - start
+        return graph
+
+
 class ModelRunner:
     """The compact model plus its KV cache `[layers, 2, slots, kv_heads, max_seq_len, head_dim]`;
     for a vision-language model also its vision tower (`vision_tower.py`)."""
@@ -104,8 +194,11 @@ class ModelRunner:
     def __init__(
         self, args: DecoderArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
         device: torch.device | str = "cpu", fast_matmuls: bool = True, cpu_kernels: bool = True,
-        vision: VisionTower | None = None,
+        vision: VisionTower | None = None, static_decode: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
+        """`static_decode` (default: on CUDA): decode steps of bucketed shapes, replayed as CUDA
+        graphs with `cuda_graphs` (`StaticDecode`)."""
         self.device = torch.device(device)
         self.vision = vision
         # The decode batch is at most num_slots rows: the packed weight layout is tuned for it.
@@ -120,6 +213,9 @@ class ModelRunner:
             dtype=dtype, device=self.device,
         )
         check_device(self.device, [self.cache])
+        on = self.device.type == "cuda" if static_decode is None else static_decode
+        self.static = (StaticDecode(num_slots, max_seq_len, self.device, cuda_graphs)
+                       if on else None)
 
     @staticmethod
     def bytes_per_slot(args: DecoderArgs, max_seq_len: int, dtype: torch.dtype) -> int:
@@ -138,9 +234,13 @@ class ModelRunner:
             # one delta (every prompt of a group; the kernels' case) or one per row
             offset = deltas.pop() if len(deltas) == 1 else self._tensor(
                 [s.rope_delta for s in seqs])
+            tokens = [x[-1] for x in ids]
+            if self.static is not None:
+                return self.static.decode(self.model, self.cache, tokens, positions,
+                                          [s.rope_delta for s in seqs])
             # The attended length from the host list: no device sync to read positions.max().
             return self.model.decode(
-                self._tensor([x[-1] for x in ids]), self._tensor(positions),
+                self._tensor(tokens), self._tensor(positions),
                 self.cache, attend=max(positions) + 1, rope_offset=offset,
             )
         lengths = [s.num_tokens for s in seqs]
@@ -288,7 +388,7 @@ class HFModelRunner:
 def load_runner(
     path: str | Path, backend: str, num_slots: int, max_seq_len: int, dtype: torch.dtype,
     hf_config: Mapping, device: torch.device | str = "cpu", fast_matmuls: bool = True,
-    cpu_kernels: bool = True, trust_remote_code: bool = False,
+    cpu_kernels: bool = True, trust_remote_code: bool = False, cuda_graphs: bool = True,
 ) -> Runner:
     """`backend`: "native" (compact decoder; NativeUnsupportedError if it cannot serve the
     model), "hf", or "auto" (native when it can, else the transformers fallback, logged)."""
@@ -308,7 +408,7 @@ def load_runner(
     vision = (VisionTower(str(path), hf_config, dtype, torch.device(device))
               if is_vlm_config(hf_config) else None)
     runner = ModelRunner(args, num_slots, max_seq_len, dtype, device, fast_matmuls, cpu_kernels,
-                         vision)
+                         vision, cuda_graphs=cuda_graphs)
     # Host-staged, then copied into the preallocated device tensors: `load_weights` holds every
     # tensor until all are checked, and staging on the GPU would double its peak memory.
     runner.load_weights(iter_safetensors(path))
