@@ -40,14 +40,10 @@ def built(tmp_path_factory):
     return out
 
 
-def run(path, model, static: bool, cpu_kernels: bool):
-    eng = LLMEngine(EngineConfig(model_path=str(path), max_seq_len=64, device="cpu",
-                                 max_num_seqs=8, backend="native", cpu_kernels=cpu_kernels))
-    runner = eng.runner
-    runner.static = StaticDecode(8, 64, runner.device) if static else None
+def drive(eng: LLMEngine, model) -> dict:
+    """5 sequences (a batch of 8 rows), mixed prompt lengths past the 8-position windows, each
+    stopping at its own length; a weight update after 8 steps. Outputs by request id."""
     g = torch.Generator().manual_seed(1)
-    # 5 sequences (a batch of 8 rows), mixed prompt lengths past the 8-position windows, each
-    # stopping at its own length
     for i, (length, new) in enumerate([(3, 20), (11, 6), (25, 14), (6, 9), (17, 30)]):
         prompt = torch.randint(5, 101, (length,), generator=g).tolist()
         eng.add_request(ModelRequest(prompt, GenerationConfig(max_new_tokens=new, seed=i),
@@ -62,6 +58,13 @@ def run(path, model, static: bool, cpu_kernels: bool):
     while eng.has_unfinished():
         done += eng.step()
     return {o.rid: o for o in done}
+
+
+def run(path, model, static: bool, cpu_kernels: bool):
+    eng = LLMEngine(EngineConfig(model_path=str(path), max_seq_len=64, device="cpu",
+                                 max_num_seqs=8, backend="native", cpu_kernels=cpu_kernels))
+    eng.runner.static = StaticDecode(8, 64, eng.runner.device) if static else None
+    return drive(eng, model)
 
 
 @pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "kernels"])
@@ -86,25 +89,11 @@ def test_buckets_are_powers_of_two_within_the_cap():
 
 
 def run_cuda(path, model, graphs: bool):
-    """The same requests and mid-generation update on CUDA in bf16, with or without graphs."""
+    """`drive` on CUDA in bf16, with or without graphs."""
     eng = LLMEngine(EngineConfig(model_path=str(path), max_seq_len=64, device="cuda",
                                  dtype="bfloat16", max_num_seqs=8, backend="native",
                                  cuda_graphs=graphs))
-    g = torch.Generator().manual_seed(1)
-    for i, (length, new) in enumerate([(3, 20), (11, 6), (25, 14), (6, 9), (17, 30)]):
-        prompt = torch.randint(5, 101, (length,), generator=g).tolist()
-        eng.add_request(ModelRequest(prompt, GenerationConfig(max_new_tokens=new, seed=i),
-                                     rid=str(i)))
-    done = []
-    for _ in range(8):
-        done += eng.step()
-    g = torch.Generator().manual_seed(7)
-    eng.update_weights_from_state_dict(
-        {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()},
-        version=1)
-    while eng.has_unfinished():
-        done += eng.step()
-    return {o.rid: o for o in done}, eng.runner.static
+    return drive(eng, model), eng.runner.static
 
 
 @pytest.mark.gpu
