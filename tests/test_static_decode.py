@@ -12,52 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from arch_configs import CONFIGS
 
-from asyncrl.api import GenerationConfig, ModelRequest
+from decode_paths import ARCHS, built, drive  # noqa: F401 (built: a fixture)
+
 from asyncrl.inference.engine import EngineConfig, LLMEngine
 from asyncrl.inference.model_runner import StaticDecode, bucket
-from asyncrl.models.tokenizer import build_byte_tokenizer, save_tokenizer
-
-ARCHS = ["qwen3", "gemma3", "mistral", "llama3"]
-if int(transformers.__version__.split(".")[0]) < 5:
-    ARCHS.remove("gemma3")  # its per-layer-type RoPE needs transformers >= 5
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    out = {}
-    for i, name in enumerate(ARCHS):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        save_tokenizer(build_byte_tokenizer(), path)
-        out[name] = (path, model)
-    return out
-
-
-def drive(eng: LLMEngine, model) -> dict:
-    """5 sequences (a batch of 8 rows), mixed prompt lengths past the 8-position windows, each
-    stopping at its own length; a weight update after 8 steps. Outputs by request id."""
-    g = torch.Generator().manual_seed(1)
-    for i, (length, new) in enumerate([(3, 20), (11, 6), (25, 14), (6, 9), (17, 30)]):
-        prompt = torch.randint(5, 101, (length,), generator=g).tolist()
-        eng.add_request(ModelRequest(prompt, GenerationConfig(max_new_tokens=new, seed=i),
-                                     rid=str(i)))
-    done = []
-    for _ in range(8):
-        done += eng.step()
-    g = torch.Generator().manual_seed(7)
-    eng.update_weights_from_state_dict(
-        {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()},
-        version=1)
-    while eng.has_unfinished():
-        done += eng.step()
-    return {o.rid: o for o in done}
 
 
 def run(path, model, static: bool, cpu_kernels: bool):

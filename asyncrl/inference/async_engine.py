@@ -267,6 +267,8 @@ class AsyncLLMEngine:
         try:
             while not self._closed:
                 self._drain_commands()
+                # finished by the step in flight before a pause / update (overlapped steps)
+                self._deliver(self.engine.take_finished())
                 if self.engine.has_unfinished() and not self.engine.paused:
                     try:
                         finished = self.engine.step()

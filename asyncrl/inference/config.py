@@ -40,6 +40,11 @@ class EngineSettings(Config):
     # native on CUDA: decode steps have bucketed shapes and replay one CUDA graph per (batch,
     # length) bucket, captured on first use (prefill and sampling run eagerly); off: eager steps
     cuda_graphs: bool = True
+    # native text models: launch the next decode step before the last one's tokens reach the
+    # host (its inputs are those tokens, still on the device); versions are stamped at launch
+    # and a weight update waits for the step in flight. None: on CUDA, where launches are
+    # asynchronous (on a CPU a step's work is done when it returns: nothing to overlap).
+    overlap_steps: bool | None = None
     seed: int = 0  # sampling noise of requests without their own seed
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
     # Threads of the C++ kernels, set for the engine thread only (a trainer in the same process

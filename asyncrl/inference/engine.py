@@ -2,7 +2,15 @@
 
 Single-threaded by design: every method must be called from one thread (`AsyncLLMEngine` owns that
 thread). A weight update therefore happens between two steps, and the version changes together with
-the weights: every token carries the version of the weights that produced its logits. Running
+the weights: every token carries the version of the weights that produced its logits.
+
+With `overlap_steps` a decode step is launched before the previous one's tokens are read back: it
+takes them from the device as inputs, over the same running set, and the host then reads and
+processes the previous step while the device computes. A sequence that stopped in the previous
+step got one more row in the launched step, whose result is dropped. The launched step is stamped
+with the version it runs under; a weight update, pause or abort first finishes the step in flight
+(its finished requests wait in `take_finished` / the next `step`). A prefill, or a request that
+waits for a free slot, runs the ordinary way. Running
 sequences survive an update; their KV cache is recomputed under the new weights on the next step,
 so a response spanning an update holds tokens of both versions and its later tokens are exactly
 what the new policy would produce for that prefix.
@@ -15,6 +23,7 @@ their logprobs. The C++ kernels and prepacked matmuls are CPU-only; on CUDA the 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
 
@@ -32,8 +41,18 @@ from asyncrl.inference.model_runner import (
     read_hf_config,
 )
 from asyncrl.inference.sampler import Sampler
-from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence
+from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence, SeqStatus
 from asyncrl.models.device import resolve_device
+
+
+@dataclass
+class _Launched:
+    """A decode step whose sampled tokens are still on the device."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    version: int
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -86,6 +105,13 @@ class LLMEngine:
         self.version = version
         self.paused = False
         self._rids: dict[str, Sequence] = {}
+        overlap = (self.device.type == "cuda" if config.overlap_steps is None
+                   else config.overlap_steps)
+        # overlapped steps need the native runner's device-side decode inputs (text models)
+        self.overlap = overlap and hasattr(self.runner, "decode_pending") and getattr(
+            self.runner, "vision", None) is None
+        self._launched: _Launched | None = None  # the step in flight (overlap)
+        self._finished: list[ModelResponse] = []  # requests it finished, not returned yet
 
     def _num_slots(self, hf_config: dict, dtype: torch.dtype) -> int:
         """KV cache slots: max_num_seqs, capped by kv_cache_bytes, or on CUDA by a share of the
@@ -159,7 +185,13 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None or bool(self._finished)
+
+    def take_finished(self) -> list[ModelResponse]:
+        """Requests finished outside `step` (by finishing the step in flight before an update,
+        pause or abort), not returned yet."""
+        out, self._finished = self._finished, []
+        return out
 
     def get_sequence(self, rid: str) -> Sequence | None:
         """The live state of an unfinished request (read-only for callers)."""
@@ -179,23 +211,62 @@ class LLMEngine:
 
     def step(self) -> list[ModelResponse]:
         """Advance every scheduled sequence by one token; return the requests that finished."""
+        out = self.take_finished()
+        kernels.use_threads(self.config.num_threads)
+        launched, self._launched = self._launched, None
+        if launched is not None:  # overlap: launch the next decode, then read this one
+            if self._chains(launched):
+                self._launched = self._launch(
+                    launched.seqs, self.runner.decode_pending(launched.seqs, launched.tokens), 1)
+            return out + self._collect(launched)
         batch = None if self.paused else self.scheduler.schedule()
         if batch is None:
-            return []
-        kernels.use_threads(self.config.num_threads)
+            return out
         logits = self.runner.run(batch)
+        if self.overlap and batch.phase == Phase.DECODE:
+            self._launched = self._launch(batch.seqs, logits, 0)
+            return out
         sampled = self.sampler(logits, batch.seqs)
-        return self._postprocess(batch, sampled.tokens, sampled.logprobs)
+        return out + self._postprocess(batch, sampled.tokens, sampled.logprobs, self.version)
+
+    def _launch(self, seqs: list[Sequence], logits: torch.Tensor, pending: int) -> _Launched:
+        tokens, logprobs = self.sampler.draw(logits, seqs, pending)
+        return _Launched(list(seqs), tokens, logprobs, self.version)
+
+    def _chains(self, launched: _Launched) -> bool:
+        """Whether the next step is a decode of the same running set: nothing to prefill (no
+        request waits for a free slot, no cache was invalidated) and not paused."""
+        s = self.scheduler
+        same = len(s.running) == len(launched.seqs) and all(
+            a is b for a, b in zip(s.running, launched.seqs))
+        return (not self.paused and same
+                and not (s.waiting and len(s.running) < s.num_slots)
+                and all(q.num_cached > 0 for q in s.running))
+
+    def _collect(self, launched: _Launched) -> list[ModelResponse]:
+        """Read a launched step's tokens and process them; rows of sequences that stopped
+        meanwhile are dropped."""
+        sampled = self.sampler.to_host(launched.tokens, launched.logprobs)
+        keep = [i for i, q in enumerate(launched.seqs) if q.status != SeqStatus.FINISHED]
+        return self._postprocess(Batch(Phase.DECODE, [launched.seqs[i] for i in keep]),
+                                 [sampled.tokens[i] for i in keep],
+                                 [sampled.logprobs[i] for i in keep], launched.version)
+
+    def _finish_launched(self) -> None:
+        """Finish the step in flight (before an update, pause or abort)."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._finished += self._collect(launched)
 
     def _postprocess(
-        self, batch: Batch, tokens: list[int], logprobs: list[float]
+        self, batch: Batch, tokens: list[int], logprobs: list[float], version: int
     ) -> list[ModelResponse]:
         now = time.perf_counter()
         finished: dict[StopReason, list[Sequence]] = {}
         for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
             # Everything but the newest token is now in the cache (a prefill cached all of it).
             seq.num_cached = seq.num_tokens if batch.phase == Phase.PREFILL else seq.num_cached + 1
-            seq.append(token, logprob, self.version, now)
+            seq.append(token, logprob, version, now)
             reason = self._stop_reason(seq)
             if reason is not None:
                 finished.setdefault(reason, []).append(seq)
@@ -239,14 +310,17 @@ class LLMEngine:
 
     def pause(self) -> None:
         """Stop scheduling; requests stay queued/running until `resume` or `abort`."""
+        self._finish_launched()
         self.paused = True
 
     def resume(self) -> None:
         self.paused = False
 
     def abort(self, rid: str | None = None) -> list[ModelResponse]:
-        """Finish `rid` (every unfinished request when None) now, with the tokens it has."""
-        return self._finish(self.scheduler.find(rid), StopReason.ABORT)
+        """Finish `rid` (every unfinished request when None) now, with the tokens it has; also
+        returns the requests the step in flight finished."""
+        self._finish_launched()
+        return self.take_finished() + self._finish(self.scheduler.find(rid), StopReason.ABORT)
 
     def update_weights_from_state_dict(
         self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -255,6 +329,7 @@ class LLMEngine:
         """Swap weights in place and set the version; running sequences recompute their cache."""
         if version < 0:
             raise ValueError(f"version={version} is out of range; allowed [0, inf]")
+        self._finish_launched()  # its tokens came from the old weights, under the old version
         self.runner.load_weights(weights, strict=strict)
         self.version = version
         self.scheduler.invalidate_cache()

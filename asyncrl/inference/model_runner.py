@@ -134,15 +134,19 @@ class StaticDecode:
         self.pool: Any = None
         self.capture_seconds = 0.0  # spent capturing, for benchmarks
 
-    def decode(self, model: DecoderModel, cache: torch.Tensor, tokens: list[int],
+    def decode(self, model: DecoderModel, cache: torch.Tensor, tokens: list[int] | torch.Tensor,
                positions: list[int], deltas: list[int]) -> torch.Tensor:
-        """Logits [n, V] of the n running sequences' next tokens."""
-        n = len(tokens)
+        """Logits [n, V] of the n running sequences' next tokens (`tokens` from the host, or
+        already on the device)."""
+        n = len(positions)
         rows = bucket(n, self.num_slots)
         attend = bucket(max(positions) + 1, self.max_seq_len)
         pad = [0] * (rows - n)
-        self.host[:3 * rows] = torch.tensor(tokens + pad + positions + pad + deltas + pad)
+        host_tokens = [0] * rows if isinstance(tokens, torch.Tensor) else tokens + pad
+        self.host[:3 * rows] = torch.tensor(host_tokens + positions + pad + deltas + pad)
         self.inputs[:3 * rows].copy_(self.host[:3 * rows], non_blocking=True)
+        if isinstance(tokens, torch.Tensor):
+            self.inputs[:n].copy_(tokens)
         tok, pos, delta = self.inputs[:3 * rows].view(3, rows)
         if self.graphs_on:
             key = (rows, attend)
@@ -229,20 +233,7 @@ class ModelRunner:
         seqs = batch.seqs
         ids = [self._readable(s) for s in seqs]
         if batch.phase == Phase.DECODE:
-            positions = [s.num_tokens - 1 for s in seqs]
-            deltas = {s.rope_delta for s in seqs}
-            # one delta (every prompt of a group; the kernels' case) or one per row
-            offset = deltas.pop() if len(deltas) == 1 else self._tensor(
-                [s.rope_delta for s in seqs])
-            tokens = [x[-1] for x in ids]
-            if self.static is not None:
-                return self.static.decode(self.model, self.cache, tokens, positions,
-                                          [s.rope_delta for s in seqs])
-            # The attended length from the host list: no device sync to read positions.max().
-            return self.model.decode(
-                self._tensor(tokens), self._tensor(positions),
-                self.cache, attend=max(positions) + 1, rope_offset=offset,
-            )
+            return self._decode(seqs, [x[-1] for x in ids], [s.num_tokens - 1 for s in seqs])
         lengths = [s.num_tokens for s in seqs]
         width = max(lengths)
         tokens = self._tensor([x + [0] * (width - len(x)) for x in ids])
@@ -250,6 +241,25 @@ class ModelRunner:
         if self.vision is not None and any(s.images is not None for s in seqs):
             return self._prefill_images(seqs, ids, tokens, lengths, slots)
         return self.model.prefill(tokens, self._tensor(lengths), slots, self.cache)
+
+    def decode_pending(self, seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the decode step that reads each running sequence's drawn token that it does
+        not hold yet (`tokens` [n], still on the device: an overlapped step), at position
+        num_tokens. Text models only (a VLM maps generated ids on the host)."""
+        return self._decode(seqs, tokens, [s.num_tokens for s in seqs])
+
+    def _decode(self, seqs: list[Sequence], tokens: list[int] | torch.Tensor,
+                positions: list[int]) -> torch.Tensor:
+        deltas = [s.rope_delta for s in seqs]
+        if self.static is not None:
+            return self.static.decode(self.model, self.cache, tokens, positions, deltas)
+        # one delta (every prompt of a group; the kernels' case) or one per row
+        offset = deltas[0] if len(set(deltas)) == 1 else self._tensor(deltas)
+        if not isinstance(tokens, torch.Tensor):
+            tokens = self._tensor(tokens)
+        # The attended length from the host list: no device sync to read positions.max().
+        return self.model.decode(tokens, self._tensor(positions), self.cache,
+                                 attend=max(positions) + 1, rope_offset=offset)
 
     def _readable(self, seq: Sequence) -> list[int]:
         """The ids the model reads: a VLM reads generated vision tokens as 0 (vision_tower)."""

@@ -13,7 +13,8 @@ on what else is in the batch; the rest share the engine's generator in one call.
 
 Everything runs on the logits' device (the engine's): the generators live there too (a CUDA
 generator draws a different stream than a CPU one for the same seed), and one device-to-host
-copy per step returns the tokens and logprobs together.
+copy per step returns the tokens and logprobs together (`draw` leaves them on the device, for an
+overlapped step that reads them one step later).
 """
 
 from __future__ import annotations
@@ -42,9 +43,23 @@ class Sampler:
     def stop_ids(self, seq: Sequence) -> list[int]:
         return [*self.eos_token_ids, *seq.gconfig.stop_token_ids]
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """logits [n, V] fp32 for `seqs` in order -> one token and its logprob per sequence."""
+        return self.to_host(*self.draw(logits, seqs))
+
+    @staticmethod
+    def to_host(tokens: torch.Tensor, chosen: torch.Tensor) -> SampleOutput:
+        """`draw`'s device tensors as lists. One transfer (one sync on CUDA) for both; float64
+        holds token ids (< 2^53) and the fp32 logprobs exactly, so the values are those of two
+        separate `.tolist()` calls."""
+        both = torch.stack((tokens.double(), chosen.double())).tolist()
+        return SampleOutput([int(t) for t in both[0]], both[1])
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, seqs: list[Sequence], pending: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [n] and their logprobs [n], on the device (nothing read back). `pending`:
+        tokens each sequence has drawn that it does not hold yet (an overlapped step's)."""
         gcs = [s.gconfig for s in seqs]
         dev = logits.device
         greedy = [g.greedy for g in gcs]
@@ -52,7 +67,7 @@ class Sampler:
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, dtype=logits.dtype, device=dev)[:, None]
         logprobs = torch.log_softmax(logits, -1)
-        filtered = self._truncate(self._suppress_stops(logprobs, seqs), gcs)
+        filtered = self._truncate(self._suppress_stops(logprobs, seqs, pending), gcs)
         if all(greedy):
             tokens = filtered.argmax(-1)
         else:
@@ -60,17 +75,14 @@ class Sampler:
             if any(greedy):
                 is_greedy = torch.tensor(greedy, device=dev)
                 tokens = torch.where(is_greedy, filtered.argmax(-1), tokens)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        # One transfer (one sync on CUDA) for both; float64 holds token ids (< 2^53) and the
-        # fp32 logprobs exactly, so the values are those of two separate `.tolist()` calls.
-        both = torch.stack((tokens.double(), chosen.double())).tolist()
-        return SampleOutput([int(t) for t in both[0]], both[1])
+        return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
-    def _suppress_stops(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _suppress_stops(self, logprobs: torch.Tensor, seqs: list[Sequence], pending: int = 0
+                        ) -> torch.Tensor:
         """Stop tokens cannot be drawn before min_new_tokens (logprobs are reported unmasked)."""
         rows, cols = [], []
         for i, s in enumerate(seqs):
-            if s.num_outputs < s.gconfig.min_new_tokens:
+            if s.num_outputs + pending < s.gconfig.min_new_tokens:
                 ids = self.stop_ids(s)
                 rows += [i] * len(ids)
                 cols += ids
