@@ -200,3 +200,63 @@ def test_packed_rows_on_cuda_in_bf16_match_padded():
 
     for a, b in zip(run("packed"), run("padded")):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=0)
+
+
+def fake_varlen(version: str):
+    """torch's varlen_attn as each torch version's signature takes it (2.10: is_causal; 2.11:
+    scale, window_size; 2.12: enable_gqa), computed with SDPA per sample on the CPU: the flash
+    kernel needs a GPU. Checks how `_flash_call` maps a layer onto each signature."""
+    import torch.nn.functional as F
+
+    def attend(q, k, v, cu, cu_k, max_q, max_k, scale=None, window=None, gqa=False):
+        out = []
+        for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            if ks.shape[0] != qs.shape[0]:
+                assert gqa, "GQA inputs without enable_gqa"
+            i = torch.arange(b - a)
+            mask = (i[:, None] >= i[None, :]) & (
+                True if window is None or window[0] < 0 else i[:, None] - i[None, :] <= window[0])
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                      enable_gqa=gqa).transpose(0, 1))
+        return torch.cat(out)
+
+    if version == "2.10":
+        def fn(q, k, v, cu, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+            assert is_causal
+            return attend(q, k, v, cu, cu_k, max_q, max_k)
+    elif version == "2.11":
+        def fn(q, k, v, cu, cu_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1)):
+            return attend(q, k, v, cu, cu_k, max_q, max_k, scale, window_size)
+    else:
+        def fn(q, k, v, cu, cu_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False):
+            return attend(q, k, v, cu, cu_k, max_q, max_k, scale, window_size, enable_gqa)
+    return fn
+
+
+@pytest.mark.parametrize("version", ["2.10", "2.11", "2.12"])
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("scaling", [None, 0.3])
+def test_each_torch_varlen_signature_gets_the_layer_or_declines(version, window, scaling,
+                                                               monkeypatch):
+    import inspect
+
+    import asyncrl.train.varlen_attention as va
+
+    fn = fake_varlen(version)
+    monkeypatch.setattr(va, "_flash_varlen",
+                        lambda: (fn, frozenset(inspect.signature(fn).parameters)))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(19, 4, 8), torch.randn(19, 2, 8), torch.randn(19, 2, 8)
+    cu = torch.tensor([0, 5, 13, 19], dtype=torch.int32)
+    got = va._flash_call(q, k, v, cu, 8, scaling, window)
+    if version == "2.10" and (window is not None or scaling is not None):
+        assert got is None  # declined: the per-sample SDPA path serves it
+        return
+    module = torch.nn.Module().eval()
+    want, _ = va.varlen_attention(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                  v.transpose(0, 1)[None], None, scaling=scaling,
+                                  sliding_window=window, cu_seq_lens_q=cu, max_length_q=8)
+    torch.testing.assert_close(got, want[0], atol=1e-5, rtol=0)

@@ -4,8 +4,9 @@ A packed micro-batch is one row of N tokens holding k samples (`PackedMicroBatch
 Read as one dense [N, N] masked matrix it costs N^2 per layer; padded to k rows of the longest
 length L it costs k * L^2 and every linear layer computes the padding too. This attention
 function computes exactly the k causal blocks: on CUDA with torch's `varlen_attn` (FlashAttention
-over `cu_seqlens`, torch >= 2.10) for half-precision inputs, elsewhere one
-`scaled_dot_product_attention` call per sample. Nothing outside the samples is computed, by the
+over `cu_seqlens`, torch >= 2.10; a window or a non-default scale needs a torch whose
+`varlen_attn` takes them) for half-precision inputs, elsewhere one `scaled_dot_product_attention`
+call per sample. Nothing outside the samples is computed, by the
 attention or by the linear layers around it.
 
 It is registered with transformers under `NAME` (AttentionInterface and AttentionMaskInterface).
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,12 +60,44 @@ def _window_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
     return (d >= 0) & (d < window)
 
 
-def _flash_varlen() -> Any:
+@functools.cache
+def _flash_varlen() -> tuple[Any, frozenset[str]] | None:
+    """torch's varlen_attn and the keyword arguments this torch's version takes (2.10: is_causal;
+    2.11: scale and window_size; 2.12: enable_gqa), or None before 2.10."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                longest: int, scaling: float | None, window: int | None) -> torch.Tensor | None:
+    """varlen_attn over [N, H, D] inputs, or None where this torch's version cannot express the
+    layer (a window or a scale it does not take)."""
+    found = _flash_varlen()
+    if found is None:
+        return None
+    fn, params = found
+    kw: dict[str, Any] = {}
+    default_scale = q.shape[-1] ** -0.5
+    if scaling is not None and abs(scaling - default_scale) > 1e-12 * default_scale:
+        if "scale" not in params:
+            return None
+        kw["scale"] = scaling
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0) if window is None else (window - 1, 0)
+    elif window is None and "is_causal" in params:
+        kw["is_causal"] = True
+    else:
+        return None
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return fn(q, k, v, cu, cu, longest, longest, **kw)
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -91,13 +126,10 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     p = dropout if module.training else 0.0
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     groups = q.shape[1] // k.shape[1]
-    varlen = _flash_varlen()
-    if (varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and p == 0.0):
-        window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
-        out = varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
-                     scale=scaling, window_size=window, enable_gqa=groups > 1)
-        return out[None], None
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and p == 0.0:
+        out = _flash_call(q, k, v, cu_seq_lens_q, int(max_length_q), scaling, sliding_window)
+        if out is not None:
+            return out[None], None
     pieces = []
     bounds = cu_seq_lens_q.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
