@@ -123,10 +123,14 @@ class StaticDecode:
                  cuda_graphs: bool = False) -> None:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         # a step of `rows` rows reads [tokens, positions, rope deltas] from the first 3 * rows
-        # entries: one contiguous copy from pinned host memory. The host buffer is rewritten only
-        # after the step's sampler read its result, so the previous copy has landed.
-        self.host = torch.zeros(3 * num_slots, dtype=torch.long,
-                                pin_memory=device.type == "cuda")
+        # entries: one contiguous copy from pinned host memory. Two host buffers take turns, and
+        # one is rewritten only once its last copy has landed (an overlapped step is written
+        # while the previous one may still be queued on the device).
+        cuda = device.type == "cuda"
+        self.host = [torch.zeros(3 * num_slots, dtype=torch.long, pin_memory=cuda)
+                     for _ in range(2)]
+        self.copied: list[Any] = [None, None]  # the CUDA event after each buffer's last copy
+        self.turn = 0
         self.inputs = torch.zeros(3 * num_slots, dtype=torch.long, device=device)
         self.graphs_on = cuda_graphs and device.type == "cuda"
         self.graphs: dict[tuple[int, int], Any] = {}  # bucket -> CUDAGraph, or None: eager
@@ -143,8 +147,15 @@ class StaticDecode:
         attend = bucket(max(positions) + 1, self.max_seq_len)
         pad = [0] * (rows - n)
         host_tokens = [0] * rows if isinstance(tokens, torch.Tensor) else tokens + pad
-        self.host[:3 * rows] = torch.tensor(host_tokens + positions + pad + deltas + pad)
-        self.inputs[:3 * rows].copy_(self.host[:3 * rows], non_blocking=True)
+        self.turn ^= 1
+        host, done = self.host[self.turn], self.copied[self.turn]
+        if done is not None:
+            done.synchronize()
+        host[:3 * rows] = torch.tensor(host_tokens + positions + pad + deltas + pad)
+        self.inputs[:3 * rows].copy_(host[:3 * rows], non_blocking=True)
+        if self.inputs.is_cuda:
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
         if isinstance(tokens, torch.Tensor):
             self.inputs[:n].copy_(tokens)
         tok, pos, delta = self.inputs[:3 * rows].view(3, rows)
