@@ -8,8 +8,9 @@ Sides, interleaved per batch size (one warm-up, then best of --repeats, so drift
 - `graphs`: the engine with CUDA graphs (inference.engine.cuda_graphs, the default on CUDA);
 - `eager`: the engine with cuda_graphs off (the same bucketed static shapes, launched op by op);
 - `hf`: transformers `generate` with its dynamic cache;
-- `hf-compiled`: `generate` with a static cache and the forward under torch.compile
-  (mode reduce-overhead: CUDA graphs), HF's own fast path; its compilation is in the warm-up.
+- `hf-compiled`: `generate` with a static cache, which compiles its decoding forward with
+  torch.compile (CompileConfig mode reduce-overhead: CUDA graphs), HF's own fast path; its
+  compilation is in the warm-up.
 
 Per side: generated tokens/s (prefill included), ms per decode step (wall time / new tokens) and
 peak memory. For the engine also the graphs' capture time and, at batch 1, the largest logprob
@@ -64,23 +65,21 @@ class HFSide:
 
     def __init__(self, model, args: argparse.Namespace, compiled: bool) -> None:
         self.model, self.args, self.compiled = model, args, compiled
-        self.forward = model.forward
-        self.compiled_forward = (torch.compile(model.forward, mode="reduce-overhead",
-                                               fullgraph=True) if compiled else None)
 
     def __call__(self, prompts: torch.Tensor) -> int:
         a = self.args
-        kw = {"cache_implementation": "static"} if self.compiled else {}
-        self.model.forward = self.compiled_forward or self.forward
-        try:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    prompts.to(a.device), attention_mask=torch.ones_like(prompts).to(a.device),
-                    max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
-                    do_sample=not a.greedy, top_k=0, top_p=1.0, temperature=1.0,
-                    pad_token_id=0, **kw)
-        finally:
-            self.model.forward = self.forward
+        kw = {}
+        if self.compiled:  # generate compiles its decoding forward itself for a static cache
+            from transformers import CompileConfig
+
+            kw = {"cache_implementation": "static",
+                  "compile_config": CompileConfig(fullgraph=True, mode="reduce-overhead")}
+        with torch.inference_mode():
+            out = self.model.generate(
+                prompts.to(a.device), attention_mask=torch.ones_like(prompts).to(a.device),
+                max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                do_sample=not a.greedy, top_k=0, top_p=1.0, temperature=1.0,
+                pad_token_id=0, **kw)
         if out.shape[1] != prompts.shape[1] + a.new_tokens:
             raise RuntimeError(f"HF generated {out.shape[1] - prompts.shape[1]} tokens")
         return prompts.shape[0] * a.new_tokens
