@@ -17,7 +17,7 @@ from arch_configs import configs
 from asyncrl.api.trajectory import Sample
 from asyncrl.train.chunked_logprobs import chunked_logprobs
 from asyncrl.train.config import TrainEngineConfig, default_gpu_micro_batch
-from asyncrl.train.engine import HFTrainEngine
+from asyncrl.train.engine import HFTrainEngine, pads_by_default
 from asyncrl.train.heads import ChunkedLogprobHead, split_output_head
 from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.train.regularizers import entropy_from_logits
@@ -81,8 +81,16 @@ def test_packed_rows_equal_padded_rows_in_values_and_gradients(arch):
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_auto_layout_packs_text_models():
-    engine = HFTrainEngine(model_for("qwen3"), TrainEngineConfig(device="cpu"))
+def test_auto_layout_packs_text_models_on_cuda():
+    """The choice itself (a CUDA engine cannot be built here): packed on CUDA, padded on a CPU
+    and for a vision-language model; a packed engine switches the model's attention."""
+    text = model_for("qwen3").config
+    vision = transformers.Qwen2VLConfig()
+    assert not pads_by_default(torch.device("cuda"), text)
+    assert pads_by_default(torch.device("cuda"), vision)
+    assert pads_by_default(torch.device("cpu"), text)
+    engine = HFTrainEngine(model_for("qwen3"), TrainEngineConfig(device="cpu",
+                                                                 attention_layout="packed"))
     assert not engine.padded and engine.model.config._attn_implementation == NAME
 
 
@@ -110,12 +118,17 @@ def test_chunked_head_equals_the_full_head(temperature):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
-def test_chunked_head_in_the_engine_equals_full_logits():
+def test_chunked_head_in_the_engine_equals_full_logits(monkeypatch):
+    """The chunked head on every micro-batch (its size threshold set to 0: the tiny vocabulary's
+    logits never reach the default 256 MiB)."""
     import copy
+
+    import asyncrl.train.engine as engine_module
 
     model = model_for("qwen3")
     batch = samples()
     ref_values, ref_grads = outputs_and_grads(copy.deepcopy(model), "packed", 0, batch)
+    monkeypatch.setattr(engine_module, "CHUNK_ABOVE_BYTES", 0)
     values, grads = outputs_and_grads(copy.deepcopy(model), "packed", 16, batch)
     for a, b in zip(values, ref_values):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
@@ -166,7 +179,18 @@ def test_split_output_head_names_what_it_cannot_split():
     model.config.final_logit_softcapping = 30.0
     assert "final_logit_softcapping=30.0" in split_output_head(model)
     engine = HFTrainEngine(model, TrainEngineConfig(device="cpu"))
-    assert engine.trunk is None and not isinstance(engine.head, ChunkedLogprobHead)
+    assert engine.trunk is None and engine.chunked is None
+
+
+def test_the_chunked_head_serves_micro_batches_with_large_logits(monkeypatch):
+    """Above the threshold the trunk and the chunked head run; below, the whole model."""
+    import asyncrl.train.engine as engine_module
+
+    engine = HFTrainEngine(model_for("qwen3"), TrainEngineConfig(device="cpu"))
+    assert isinstance(engine.chunked, ChunkedLogprobHead)
+    vocab = engine.chunked.lm_head.weight.shape[0]
+    monkeypatch.setattr(engine_module, "CHUNK_ABOVE_BYTES", 100 * vocab * 4)
+    assert engine._head_for(100) is engine.head and engine._head_for(101) is engine.chunked
 
 
 def test_adamw_is_fused_only_on_cuda_and_the_gpu_micro_batch_follows_the_card():

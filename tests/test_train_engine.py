@@ -304,18 +304,17 @@ def test_padded_layout_places_each_token(model_dir):
                                     for i in mb.sample_index]
 
 
-def test_auto_layout_packs_text_and_pads_images(model_dir):
-    """A text model trains packed rows (varlen attention, or its flash kernel); a
-    vision-language model padded rows."""
-    text = engine(model_dir)
-    assert not text.padded and text.model.config._attn_implementation == "asyncrl_varlen"
+def test_auto_layout_pads_on_a_cpu_and_packed_keeps_a_flash_kernel(model_dir):
+    """On a CPU auto trains padded rows (the CUDA choice: test_packed_trainer.py); the packed
+    layout switches SDPA to varlen attention and keeps a flash kernel."""
+    cpu = engine(model_dir)
+    assert cpu.padded and cpu.model.config._attn_implementation == "sdpa"
+    packed = engine(model_dir, attention_layout="packed")
+    assert packed.model.config._attn_implementation == "asyncrl_varlen"
     model = load_causal_lm(model_dir)
     model.config._attn_implementation = "flash_attention_2"
-    assert not HFTrainEngine(model, TrainEngineConfig()).padded
+    assert not HFTrainEngine(model, TrainEngineConfig(attention_layout="packed")).padded
     assert model.config._attn_implementation == "flash_attention_2"  # kept
-    model = load_causal_lm(model_dir)
-    model.config.vision_config = {"depth": 1}
-    assert HFTrainEngine(model, TrainEngineConfig()).padded
 
 
 def test_config_rejects_bad_budget():

@@ -94,10 +94,11 @@ class TrainEngineConfig(Config):
     # for the card and the model (`micro_batch_tokens`)
     max_tokens_per_mb: int | None = pydantic.Field(None, ge=1)
     # How a micro-batch's samples reach the model. "packed": one row, attention over each
-    # sample's own tokens only (train/varlen_attention.py; flash-attention models keep their
-    # kernel), nothing computed for padding. "padded": k right-padded rows with an attention mask
-    # (needed for images). "auto": padded for a vision-language model, else packed, except a
-    # micro-batch whose shared prompts (below) compute fewer positions than its packed row.
+    # sample's own tokens only (train/varlen_attention.py: torch's varlen kernel on CUDA, one
+    # SDPA call per sample elsewhere; flash-attention models keep their kernel), nothing computed
+    # for padding. "padded": k right-padded rows with an attention mask (needed for images).
+    # "auto": packed on CUDA, padded on a CPU and for a vision-language model; either way a
+    # micro-batch whose shared prompts (below) compute fewer positions takes that layout.
     attention_layout: Literal["auto", "packed", "padded"] = "auto"
     # Samples of a micro-batch with the same prompt (a GRPO group) run it once; their
     # continuations attend to it through a KV cache, gradients flow into it from all of them.
@@ -105,7 +106,8 @@ class TrainEngineConfig(Config):
     # (which drops the cache), the packed layout, or FSDP.
     share_prefixes: bool = True
     # Logprobs (and entropies) from the last hidden states this many tokens at a time, never
-    # holding the [tokens, vocab] logits (train/chunked_logprobs.py); 0 computes the full logits.
+    # holding the [tokens, vocab] logits (train/chunked_logprobs.py), in a micro-batch whose
+    # fp32 logits would exceed 256 MiB (engine.CHUNK_ABOVE_BYTES); 0: always the full logits.
     # Single-process policies whose head is a plain linear layer; others compute full logits.
     logprob_chunk_tokens: int = pydantic.Field(1024, ge=0)
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -59,10 +59,21 @@ from asyncrl.train.varlen_attention import packed_kwargs, packed_rows, use_packe
 
 log = logging.getLogger(__name__)
 
+# A micro-batch whose fp32 logits would exceed this gets the chunked logprob head (a 152k
+# vocabulary: above ~440 positions); below, one matmul costs less than the chunks' recompute.
+CHUNK_ABOVE_BYTES = 256 * 2**20
+
 
 # Every RNG a training process draws from, as one saveable state: a checkpoint keeps each
 # rank's; a rank it has none for (a resume on more ranks) is re-seeded from a hash of rank 0's
 # saved state and its rank, so the same resume always re-seeds it the same way.
+def pads_by_default(device: torch.device, model_config: Any) -> bool:
+    """`attention_layout: auto`'s choice: packed rows on CUDA, where varlen kernels attend them;
+    padded rows for a vision-language model, and on a CPU, where a packed row costs one SDPA
+    call per sample and padded rows one call for all (benchmarks/bench_train.py)."""
+    return device.type != "cuda" or getattr(model_config, "vision_config", None) is not None
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
@@ -127,8 +138,7 @@ class HFTrainEngine:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.micro_batch_tokens = self.cfg.micro_batch_tokens(model.config, self.device)
         self.padded = self.cfg.attention_layout == "padded" or (
-            self.cfg.attention_layout == "auto"
-            and getattr(model.config, "vision_config", None) is not None)
+            self.cfg.attention_layout == "auto" and pads_by_default(self.device, model.config))
         if not self.padded:
             use_packed_attention(model)
         # auto also shares a micro-batch's prompts when that computes fewer positions than its
@@ -144,8 +154,10 @@ class HFTrainEngine:
         # positions the model computed (padding included), against the real tokens of
         # `train_batch`'s micro-batches: its stat train/computed_per_real_token
         self.positions_computed = 0
-        # the trunk the chunked logprob head runs (None: the whole model, full logits)
+        # the chunked logprob head and the trunk it runs, for micro-batches whose logits would
+        # be large (`_head_for`); None: always the whole model and `head`
         self.trunk: torch.nn.Module | None = None
+        self.chunked: ChunkedLogprobHead | None = None
         if (isinstance(self.head, LogprobHead) and self.cfg.logprob_chunk_tokens
                 and self.parallel.splits_head):
             split = split_output_head(self.model)
@@ -153,8 +165,8 @@ class HFTrainEngine:
                 log.info("logprobs from full logits: %s", split)
             else:
                 self.trunk = split[0]
-                self.head = ChunkedLogprobHead(split[1], self.head.temperature,
-                                               self.cfg.logprob_chunk_tokens)
+                self.chunked = ChunkedLogprobHead(split[1], self.head.temperature,
+                                                  self.cfg.logprob_chunk_tokens)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if trainable:
@@ -240,35 +252,46 @@ class HFTrainEngine:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    def model_outputs(self, mb: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def model_outputs(self, mb: PackedMicroBatch
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, OutputHead]:
         """The model's per-position output [N, ...] for a micro-batch, in `attention_layout`,
-        and which positions were computed (None: all; a shared prefix's are not, and are 0)."""
+        which positions were computed (None: all; a shared prefix's are not, and are 0), and
+        the head that reads them."""
         mb = mb.to(self.device)
         if mb.has_images and not self.padded:
             raise ValueError("samples with images need train.attention_layout padded (or auto "
-                             "without flash-attention): a packed row has no per-sample "
+                             "on a vision-language model): a packed row has no per-sample "
                              "multimodal positions")
         with self._autocast():
             shared = shared_prefix_layout(mb) if self.share_prefixes else None
             if shared is not None and (self.padded or shared.computed_tokens < mb.num_tokens):
-                self.positions_computed += shared.computed_tokens
                 return self._shared_prefix_outputs(mb, shared)
             if self.padded:
                 ids, mask, index = padded_layout(mb)
-                self.positions_computed += ids.numel()
-                out = self.head.raw(self._run(attention_mask=mask, use_cache=False,
-                                              **self._image_kwargs(mb, ids, index)))
-                return out.flatten(0, 1)[index], None
+                head = self._head_for(ids.numel())
+                out = head.raw(self._run(head, attention_mask=mask, use_cache=False,
+                                         **self._image_kwargs(mb, ids, index)))
+                return out.flatten(0, 1)[index], None, head
             # One row; each sample attends to its own tokens (varlen_attention.py)
-            self.positions_computed += mb.num_tokens
+            head = self._head_for(mb.num_tokens)
             with packed_rows():
-                out = self._run(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                out = self._run(head, input_ids=mb.input_ids, position_ids=mb.position_ids,
                                 use_cache=False, **packed_kwargs(mb.cu_seqlens))
-            return self.head.raw(out)[0], None
+            return head.raw(out)[0], None, head
 
-    def _run(self, **inputs: Any) -> Any:
-        """The forward the head reads: the trunk's (chunked logprobs) or the whole model's."""
-        return (self.trunk or self.model)(**inputs)
+    def _head_for(self, positions: int) -> OutputHead:
+        """The chunked head when this many positions' fp32 logits would exceed
+        CHUNK_ABOVE_BYTES, else `head` (the full logits: below that, one matmul is cheaper than
+        the chunks' recomputation); counts the positions."""
+        self.positions_computed += positions
+        if self.chunked is None:
+            return self.head
+        vocab = self.chunked.lm_head.weight.shape[0]
+        return self.chunked if positions * vocab * 4 > CHUNK_ABOVE_BYTES else self.head
+
+    def _run(self, head: OutputHead, **inputs: Any) -> Any:
+        """The forward `head` reads: the trunk's (chunked logprobs) or the whole model's."""
+        return (self.trunk if head is self.chunked else self.model)(**inputs)
 
     def _image_kwargs(self, mb: PackedMicroBatch, ids: torch.Tensor, index: torch.Tensor
                       ) -> dict[str, Any]:
@@ -285,24 +308,26 @@ class HFTrainEngine:
                                   [x for x in mb.images if x is not None])
 
     def _shared_prefix_outputs(self, mb: PackedMicroBatch, lay: SharedPrefixLayout
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               ) -> tuple[torch.Tensor, torch.Tensor, OutputHead]:
         from transformers import DynamicCache
 
+        self.positions_computed += lay.prefix_ids.numel()
+        head = self._head_for(lay.cont_ids.numel())
         cache = DynamicCache(config=self.model.config)
-        self._run(input_ids=lay.prefix_ids, attention_mask=lay.prefix_mask,
-                  use_cache=True, **cache_kwargs(self.model, cache), **self.head.prefix_kwargs)
+        self._run(head, input_ids=lay.prefix_ids, attention_mask=lay.prefix_mask,
+                  use_cache=True, **cache_kwargs(self.model, cache), **head.prefix_kwargs)
         for layer in cache.layers:  # one cache row per continuation (autograd sums them back)
             layer.keys = layer.keys.index_select(0, lay.group)
             layer.values = layer.values.index_select(0, lay.group)
-        out = self.head.raw(self._run(input_ids=lay.cont_ids, attention_mask=lay.cont_mask,
-                                      position_ids=lay.cont_pos, use_cache=True,
-                                      **cache_kwargs(self.model, cache)))
+        out = head.raw(self._run(head, input_ids=lay.cont_ids, attention_mask=lay.cont_mask,
+                                 position_ids=lay.cont_pos, use_cache=True,
+                                 **cache_kwargs(self.model, cache)))
         values = out.flatten(0, 1)[lay.index]
         full = values.new_zeros((mb.num_tokens, *values.shape[1:]))
         full = full.index_put((lay.token_pos,), values)
         computed = torch.zeros(mb.num_tokens, dtype=torch.bool, device=full.device)
         computed[lay.token_pos] = True
-        return full, computed
+        return full, computed, head
 
     def per_token(self, mb: PackedMicroBatch) -> torch.Tensor:
         """Input-aligned outputs [N] of one packed micro-batch (logprobs, or the critic's
@@ -315,8 +340,8 @@ class HFTrainEngine:
         """Input-aligned outputs [N] and, when asked, the entropy [N] of the distribution each
         token was drawn from (same temperature), both with grad."""
         mb = mb.to(self.device)
-        raw, computed = self.model_outputs(mb)
-        outs = self.head.per_token(raw, torch.roll(mb.input_ids[0], -1), with_entropy)
+        raw, computed, head = self.model_outputs(mb)
+        outs = head.per_token(raw, torch.roll(mb.input_ids[0], -1), with_entropy)
         if computed is not None:
             outs = [x.masked_fill(~computed, 0.0) for x in outs]
         aligned = [next_token_logprobs_aligned(x, mb) for x in outs]
