@@ -14,8 +14,6 @@ The instance holds only plain settings (no client, no SDK objects), so it pickle
 
 from __future__ import annotations
 
-import ast
-import operator
 import os
 from typing import Any
 
@@ -23,32 +21,12 @@ from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, func
 from agents.exceptions import ModelBehaviorError
 from openai import AsyncOpenAI
 
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def evaluate(expr: str) -> int:
-    """Integer arithmetic with + - * only, parsed rather than eval'd (the model writes `expr`)."""
-
-    def walk(node: ast.AST) -> int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -walk(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-            return OPS[type(node.op)](walk(node.left), walk(node.right))
-        raise ValueError(f"expr={expr!r}: only integers joined by +, - and * are allowed")
-
-    try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except SyntaxError as err:
-        raise ValueError(f"expr={expr!r} is not an arithmetic expression") from err
-    return walk(tree.body)
-
+from asyncrl.rollout import calculator
 
 @function_tool
 def calc(expr: str) -> str:
     """Evaluate an integer arithmetic expression such as "12+34*2" and return the result."""
-    return str(evaluate(expr))
+    return calculator.calc(expr)
 
 
 def run_config(client: AsyncOpenAI) -> RunConfig:

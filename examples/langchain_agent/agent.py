@@ -14,13 +14,13 @@ from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from examples.agents_sdk.agent import evaluate
+from asyncrl.rollout import calculator
 
 
 @tool
 def calc(expr: str) -> str:
     """Evaluate an integer arithmetic expression such as "12+34*2" and return the result."""
-    return str(evaluate(expr))
+    return calculator.calc(expr)
 
 
 class LangChainMathAgent:

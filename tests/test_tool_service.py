@@ -1,0 +1,78 @@
+"""The tool service an agent's episodes wait on (asyncrl/rollout/tool_service.py): its seeded
+long-tailed service times, and a real subprocess server on 127.0.0.1 whose injected failures
+(503s, replies held past the client's timeout), rejected calls and a stopped server all come back
+to the caller as readable tool replies, counted by kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from asyncrl.config import ConfigError
+from asyncrl.rollout.tool_service import (LatencyModel, ToolError, ToolServiceConfig,
+                                          ToolServiceProcess)
+
+
+def test_service_times_have_the_configured_median_and_tail():
+    flat = LatencyModel(0.3, 1.0, seed=0)
+    assert {flat.draw() for _ in range(100)} == {0.3}
+    model = LatencyModel(0.5, 20.0, seed=1)
+    draws = sorted(model.draw() for _ in range(200_000))
+    median, p99 = statistics.median(draws), draws[int(0.99 * len(draws))]
+    assert median == pytest.approx(0.5, rel=0.02)
+    assert p99 / median == pytest.approx(20.0, rel=0.05)
+
+
+
+def test_the_same_seed_gives_the_same_times():
+    a, b = LatencyModel(0.5, 5.0, seed=3), LatencyModel(0.5, 5.0, seed=3)
+    assert [a.draw() for _ in range(20)] == [b.draw() for _ in range(20)]
+
+
+def test_rates_that_leave_no_success_are_refused():
+    with pytest.raises(ConfigError, match="error_rate"):
+        ToolServiceConfig.from_dict({"error_rate": 0.6, "hang_rate": 0.5})
+
+
+def test_failures_reach_the_caller_as_tool_replies():
+    cfg = ToolServiceConfig(median_s=0.01, p99_over_median=5.0, error_rate=0.3, hang_rate=0.2,
+                            hang_s=30.0, client_timeout_s=1.0, seed=0)
+
+    async def go(service):
+        client = service.client()
+        try:
+            replies = await asyncio.gather(*(client.call("calc", {"expr": f"{i}*7"})
+                                             for i in range(40)))
+            bad = await client.call("calc", {"expression": "1+1"})
+            unknown = await client.call("search", {"q": "x"})
+        finally:
+            await client.aclose()
+        return replies, bad, unknown
+
+    with ToolServiceProcess(cfg) as service:
+        replies, bad, unknown = asyncio.run(go(service))
+        import httpx
+
+        stats = httpx.get(f"{service.url}/stats").json()
+    kinds = [r.error for r in replies]
+    ok = [(i, r) for i, r in enumerate(replies) if r.error is None]
+    assert kinds.count(ToolError.SERVER) == stats["calls"]["error"] > 0
+    assert kinds.count(ToolError.TIMEOUT) == stats["calls"]["hang"] > 0
+    assert len(ok) == stats["calls"]["answer"] - 1 > 0  # the bad call was an answer's fate too
+    assert all(r.text == str(i * 7) for i, r in ok)
+    assert all(r.text.startswith("error: tool calc") for r in replies if r.error)
+    assert bad.error == ToolError.BAD_CALL and "expression" in bad.text
+    assert unknown.error == ToolError.BAD_CALL and "unknown tool 'search'" in unknown.text
+
+    async def after_stop():
+        client = service.client()
+        try:
+            return await client.call("calc", {"expr": "1+1"})
+        finally:
+            await client.aclose()
+
+    gone = asyncio.run(after_stop())
+    assert gone.error == ToolError.UNREACHABLE and "unreachable" in gone.text
