@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -66,8 +67,13 @@ class SFTResult:
 SFT_RECIPE_VERSION = 3
 
 
+# Settings that change how fast a warm start trains, not what: left out of the cache key.
+SPEED_ONLY = {"train": {"logprob_chunk_tokens"}}
+
+
 def cache_key(cfg: SFTRunConfig) -> str:
-    payload = cfg.model_copy(update={"output_dir": None}).to_yaml()
+    data = cfg.model_copy(update={"output_dir": None}).model_dump(mode="json", exclude=SPEED_ONLY)
+    payload = yaml.safe_dump(data, sort_keys=False)  # Config.to_yaml's format
     payload += f"\nsft_recipe_version: {SFT_RECIPE_VERSION}\n"
     if cfg.model.path is None:
         # The result embeds the built tiny model's tokenizer (chat template included): a new
