@@ -17,7 +17,7 @@ from arch_configs import configs
 from asyncrl.api.trajectory import Sample
 from asyncrl.train.chunked_logprobs import chunked_logprobs
 from asyncrl.train.config import TrainEngineConfig, default_gpu_micro_batch
-from asyncrl.train.engine import HFTrainEngine, pads_by_default
+from asyncrl.train.engine import HFTrainEngine, auto_pads
 from asyncrl.train.heads import ChunkedLogprobHead, split_output_head
 from asyncrl.train.logprobs import gather_logprobs
 from asyncrl.train.regularizers import entropy_from_logits
@@ -81,17 +81,28 @@ def test_packed_rows_equal_padded_rows_in_values_and_gradients(arch):
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_auto_layout_packs_text_models_on_cuda():
-    """The choice itself (a CUDA engine cannot be built here): packed on CUDA, padded on a CPU
-    and for a vision-language model; a packed engine switches the model's attention."""
-    text = model_for("qwen3").config
-    vision = transformers.Qwen2VLConfig()
-    assert not pads_by_default(torch.device("cuda"), text)
-    assert pads_by_default(torch.device("cuda"), vision)
-    assert pads_by_default(torch.device("cpu"), text)
+def test_auto_layout_packs_unless_padding_is_cheap_on_a_cpu():
+    """auto on a CPU: padded rows while they compute at most PAD_AT_MOST positions per real
+    token, else one packed row (on CUDA always packed: the engine cannot be built here); the
+    model's attention serves both (varlen for packed rows, SDPA with its masks for padded)."""
+    assert auto_pads([30, 28, 31, 29]) and not auto_pads([16, 512, 200, 90])
     engine = HFTrainEngine(model_for("qwen3"), TrainEngineConfig(device="cpu",
-                                                                 attention_layout="packed"))
+                                                                 share_prefixes=False))
     assert not engine.padded and engine.model.config._attn_implementation == NAME
+    even, spread = samples_of([30, 28, 31, 29]), samples_of([16, 120, 60, 40])
+    assert engine._pads(engine._plan(even, None)[0][0])
+    assert not engine._pads(engine._plan(spread, None)[0][0])
+    for batch in (even, spread):  # each layout gives the padded layout's logprobs
+        ref = HFTrainEngine(model_for("qwen3"), TrainEngineConfig(
+            device="cpu", attention_layout="padded", share_prefixes=False)).forward(batch)
+        for got, want in zip(engine.forward(batch), ref):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def samples_of(lengths: list[int]) -> list[Sample]:
+    return [Sample(input_ids=[(7 * i + j) % 300 + 3 for j in range(n)], loss_mask=[0] + [1] * (n - 1),
+                   logprobs=[0.0] * n, versions=[-1] + [0] * (n - 1))
+            for i, n in enumerate(lengths)]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -304,11 +304,11 @@ def test_padded_layout_places_each_token(model_dir):
                                     for i in mb.sample_index]
 
 
-def test_auto_layout_pads_on_a_cpu_and_packed_keeps_a_flash_kernel(model_dir):
-    """On a CPU auto trains padded rows (the CUDA choice: test_packed_trainer.py); the packed
-    layout switches SDPA to varlen attention and keeps a flash kernel."""
-    cpu = engine(model_dir)
-    assert cpu.padded and cpu.model.config._attn_implementation == "sdpa"
+def test_the_packed_layouts_switch_sdpa_to_varlen_and_keep_a_flash_kernel(model_dir):
+    """auto (choosing per micro-batch: test_packed_trainer.py) and packed switch SDPA to the
+    varlen attention; padded keeps SDPA; a flash kernel is kept."""
+    assert engine(model_dir, attention_layout="padded").model.config._attn_implementation == "sdpa"
+    assert engine(model_dir).model.config._attn_implementation == "asyncrl_varlen"
     packed = engine(model_dir, attention_layout="packed")
     assert packed.model.config._attn_implementation == "asyncrl_varlen"
     model = load_causal_lm(model_dir)

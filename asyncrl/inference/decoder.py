@@ -145,6 +145,15 @@ class DecoderModel:
                                    *(t for pair in self.rope.values() for t in pair)])
         self._plain = PlainMatmuls(self.layers, self.lm_head, a.activation)
         self._fast: Matmuls | None = None  # built from real weights in load_weights
+        # Gemma's norms multiply by (1 + w): kept next to each weight as one fp32 tensor (so a
+        # norm is one rms_norm call, the C++ kernel's on CPU), refreshed in place after every
+        # weight update
+        self._plus_one: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if a.gemma:
+            norms = [self.norm, *(t for w in self.layers for t in (
+                w.ln1, w.ln2, w.post_attn, w.post_mlp, w.q_norm, w.k_norm) if t is not None)]
+            self._plus_one = {id(t): (t, torch.ones(t.shape, device=self.device))
+                              for t in norms}
 
     def _rope_rows(self, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sign-folded sin) rows in this model's dtype from fp32 freqs [..., hd / 2]."""
@@ -235,6 +244,8 @@ class DecoderModel:
             raise ValueError(f"{len(missing)} weights missing from the update, e.g. {missing[:3]}")
         for target, tensor in pairs:
             target.copy_(tensor)
+        for weight, plus_one in self._plus_one.values():
+            torch.add(weight.float(), 1.0, out=plus_one)
         if self._fast is not None:
             self._fast.repack()
         elif self.use_fast and not missing:
@@ -337,8 +348,10 @@ class DecoderModel:
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         eps = self.args.rms_norm_eps
         if self.args.gemma:  # (1 + w) * normalised x, all in fp32, then rounded once
-            return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + w.float())).to(
-                x.dtype)
+            w = self._plus_one[id(w)][1]
+            if self._kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
+                return self._kernels.rms_norm(x, w, eps)
+            return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
         # torch's CPU rms_norm is about eight ops; the kernel is one pass (same fp32 statistics).
         if self._kernels is not None and x.is_contiguous():
             return self._kernels.rms_norm(x, w, eps)

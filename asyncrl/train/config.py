@@ -97,8 +97,10 @@ class TrainEngineConfig(Config):
     # sample's own tokens only (train/varlen_attention.py: torch's varlen kernel on CUDA, one
     # SDPA call per sample elsewhere; flash-attention models keep their kernel), nothing computed
     # for padding. "padded": k right-padded rows with an attention mask (needed for images).
-    # "auto": packed on CUDA, padded on a CPU and for a vision-language model; either way a
-    # micro-batch whose shared prompts (below) compute fewer positions takes that layout.
+    # "auto": padded for a vision-language model; else packed on CUDA, and on a CPU padded
+    # while that computes at most 1.25 positions per real token (engine.auto_pads), packed
+    # beyond; either way a micro-batch whose shared prompts (below) compute fewer positions
+    # takes that layout.
     attention_layout: Literal["auto", "packed", "padded"] = "auto"
     # Samples of a micro-batch with the same prompt (a GRPO group) run it once; their
     # continuations attend to it through a KV cache, gradients flow into it from all of them.

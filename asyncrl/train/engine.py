@@ -67,11 +67,18 @@ CHUNK_ABOVE_BYTES = 256 * 2**20
 # Every RNG a training process draws from, as one saveable state: a checkpoint keeps each
 # rank's; a rank it has none for (a resume on more ranks) is re-seeded from a hash of rank 0's
 # saved state and its rank, so the same resume always re-seeds it the same way.
-def pads_by_default(device: torch.device, model_config: Any) -> bool:
-    """`attention_layout: auto`'s choice: packed rows on CUDA, where varlen kernels attend them;
-    padded rows for a vision-language model, and on a CPU, where a packed row costs one SDPA
-    call per sample and padded rows one call for all (benchmarks/bench_train.py)."""
-    return device.type != "cuda" or getattr(model_config, "vision_config", None) is not None
+# `attention_layout: auto` on a CPU pads a micro-batch while that computes at most this many
+# positions per real token: there a packed row costs one SDPA call per sample and padded rows
+# one call for all, so little padding is cheaper than many calls (benchmarks/bench_train.py:
+# the main job's batch, 1.09, is faster padded; samples of 16-512 tokens, 1.77, packed).
+PAD_AT_MOST = 1.25
+
+
+def auto_pads(lengths: Sequence[int]) -> bool:
+    """`attention_layout: auto`'s choice on a CPU for a micro-batch of a text model's samples of
+    these lengths: padded rows while that pads little (PAD_AT_MOST). On CUDA, where varlen
+    kernels attend a packed row, auto packs; a vision-language model's rows are always padded."""
+    return len(lengths) * max(lengths) <= PAD_AT_MOST * sum(lengths)
 
 
 def rng_state() -> dict[str, Any]:
@@ -137,8 +144,10 @@ class HFTrainEngine:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.micro_batch_tokens = self.cfg.micro_batch_tokens(model.config, self.device)
+        # always padded rows (else packed, or in auto chosen per micro-batch: `_pads`)
         self.padded = self.cfg.attention_layout == "padded" or (
-            self.cfg.attention_layout == "auto" and pads_by_default(self.device, model.config))
+            self.cfg.attention_layout == "auto"
+            and getattr(model.config, "vision_config", None) is not None)
         if not self.padded:
             use_packed_attention(model)
         # auto also shares a micro-batch's prompts when that computes fewer positions than its
@@ -266,7 +275,7 @@ class HFTrainEngine:
             shared = shared_prefix_layout(mb) if self.share_prefixes else None
             if shared is not None and (self.padded or shared.computed_tokens < mb.num_tokens):
                 return self._shared_prefix_outputs(mb, shared)
-            if self.padded:
+            if self._pads(mb):
                 ids, mask, index = padded_layout(mb)
                 head = self._head_for(ids.numel())
                 out = head.raw(self._run(head, attention_mask=mask, use_cache=False,
@@ -278,6 +287,13 @@ class HFTrainEngine:
                 out = self._run(head, input_ids=mb.input_ids, position_ids=mb.position_ids,
                                 use_cache=False, **packed_kwargs(mb.cu_seqlens))
             return head.raw(out)[0], None, head
+
+    def _pads(self, mb: PackedMicroBatch) -> bool:
+        """Whether this micro-batch runs as padded rows (`auto_pads` in auto on a CPU)."""
+        if self.padded or self.cfg.attention_layout == "packed" or self.device.type == "cuda":
+            return self.padded
+        bounds = mb.cu_seqlens.tolist()
+        return auto_pads([b - a for a, b in zip(bounds[:-1], bounds[1:])])
 
     def _head_for(self, positions: int) -> OutputHead:
         """The chunked head when this many positions' fp32 logits would exceed
