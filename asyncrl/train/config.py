@@ -99,7 +99,7 @@ class TrainEngineConfig(Config):
     # for padding. "padded": k right-padded rows with an attention mask (needed for images).
     # "auto": padded for a vision-language model; else packed on CUDA, and on a CPU padded
     # while that computes at most 1.25 positions per real token (engine.auto_pads), packed
-    # beyond; either way a micro-batch whose shared prompts (below) compute fewer positions
+    # beyond; either way a micro-batch whose shared prompts (below) compute no more positions
     # takes that layout.
     attention_layout: Literal["auto", "packed", "padded"] = "auto"
     # Samples of a micro-batch with the same prompt (a GRPO group) run it once; their

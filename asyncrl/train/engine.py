@@ -74,6 +74,17 @@ CHUNK_ABOVE_BYTES = 256 * 2**20
 PAD_AT_MOST = 1.25
 
 
+def sample_lengths(mb: PackedMicroBatch) -> list[int]:
+    bounds = mb.cu_seqlens.tolist()
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def padded_positions(mb: PackedMicroBatch) -> int:
+    """Positions its padded rows compute: samples x the longest."""
+    lengths = sample_lengths(mb)
+    return len(lengths) * max(lengths)
+
+
 def auto_pads(lengths: Sequence[int]) -> bool:
     """`attention_layout: auto`'s choice on a CPU for a micro-batch of a text model's samples of
     these lengths: padded rows while that pads little (PAD_AT_MOST). On CUDA, where varlen
@@ -272,10 +283,12 @@ class HFTrainEngine:
                              "on a vision-language model): a packed row has no per-sample "
                              "multimodal positions")
         with self._autocast():
+            pads = self._pads(mb)
             shared = shared_prefix_layout(mb) if self.share_prefixes else None
-            if shared is not None and (self.padded or shared.computed_tokens < mb.num_tokens):
+            if shared is not None and (self.padded or shared.computed_tokens <= (
+                    padded_positions(mb) if pads else mb.num_tokens)):
                 return self._shared_prefix_outputs(mb, shared)
-            if self._pads(mb):
+            if pads:
                 ids, mask, index = padded_layout(mb)
                 head = self._head_for(ids.numel())
                 out = head.raw(self._run(head, attention_mask=mask, use_cache=False,
@@ -292,8 +305,7 @@ class HFTrainEngine:
         """Whether this micro-batch runs as padded rows (`auto_pads` in auto on a CPU)."""
         if self.padded or self.cfg.attention_layout == "packed" or self.device.type == "cuda":
             return self.padded
-        bounds = mb.cu_seqlens.tolist()
-        return auto_pads([b - a for a, b in zip(bounds[:-1], bounds[1:])])
+        return auto_pads(sample_lengths(mb))
 
     def _head_for(self, positions: int) -> OutputHead:
         """The chunked head when this many positions' fp32 logits would exceed
