@@ -173,9 +173,16 @@ def test_chunked_head_holds_a_fraction_of_the_full_logits_memory():
     import subprocess
     import sys
 
+    from pathlib import Path
+
+    # a clean environment: what earlier tests left in os.environ must not change the child
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
     def peak(kind: str) -> int:
         out = subprocess.run([sys.executable, "-c", PEAK, kind], capture_output=True, text=True,
-                             check=True)
+                             env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
         return int(out.stdout.split()[-1])
 
     full, chunked = peak("full"), peak("chunked")
