@@ -68,9 +68,11 @@ def run_train(label: str | int, run_dir: Path, config: str | None, overrides: li
 
 SYNC = "sync: whole machine"
 SHARED = "shared: in process"
+OWN = "the config's own"
 
 
-def placement(eta: int, split: bool, shared: bool = False) -> tuple[str, list[str]]:
+def placement(eta: int, split: bool, shared: bool = False,
+              own: bool = False) -> tuple[str, list[str]]:
     """Where generation and training run, as config overrides.
 
     - sync (eta = 0): the synchronous loop on the whole machine, in one process: the engine
@@ -80,8 +82,12 @@ def placement(eta: int, split: bool, shared: bool = False) -> tuple[str, list[st
       rest (launcher.trainer_cpus / server_cpus). Its logprob canary runs every 20th push, as
       in process (a canary per push costs a server 1-4 s on this machine).
     - shared (eta > 0 with --shared): the main job's placement, the engine on a thread of the
-      trainer's process (`inference.engine.num_threads` 1) sharing every core with it."""
+      trainer's process (`inference.engine.num_threads` 1) sharing every core with it.
+    - own (--same-placement): every eta as the config places it (the tool-calling job: its
+      episodes wait on a service, so the placement is held equal and only eta changes)."""
     cpus = sorted(os.sched_getaffinity(0))
+    if own:
+        return OWN, []
     if shared:
         return SHARED, ["inference.mode=inprocess", "inference.engine.num_threads=1"]
     if not split:
@@ -104,6 +110,35 @@ def idle_fraction(metrics_path: Path) -> float:
     return sum(r["perf/rollout_idle_frac"] * t for r, t in zip(steps, span)) / max(sum(span), 1e-9)
 
 
+def trainer_idle_fraction(metrics_path: Path) -> float:
+    """Share of the training time the trainer spent waiting for a batch."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "perf/wait_s" in r]
+    wait = sum(r["perf/wait_s"] for r in steps)
+    span = sum(r["perf/wait_s"] + r["perf/train_s"] + r["perf/weight_sync_s"] for r in steps)
+    return wait / max(span, 1e-9)
+
+
+def run_stats(metrics_path: Path) -> dict:
+    """Per run: the staleness trained on and, for tool-calling runs, the observed tool latency
+    (the call-weighted mean of each step's median and 99th percentile) and failures."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "reward/mean" in r]
+    out = {"staleness_mean": round(mean([r.get("staleness/mean", 0.0) for r in steps]), 3),
+           "staleness_max": max([r.get("staleness/max", 0.0) for r in steps], default=0.0),
+           "trainer_idle_frac": round(trainer_idle_fraction(metrics_path), 3)}
+    tools = [r for r in steps if r.get("tools/calls")]
+    if tools:
+        calls = sum(r["tools/calls"] for r in tools)
+        for q in ("p50", "p99"):
+            out[f"tool_latency_{q}_s"] = round(sum(
+                r[f"tools/latency_{q}_s"] * r["tools/calls"] for r in tools) / calls, 3)
+        out["tool_calls"] = int(calls)
+        out["tool_error_frac"] = round(sum(r["tools/error_frac"] * r["tools/calls"]
+                                           for r in tools) / calls, 4)
+    return out
+
+
 @dataclass
 class AsyncRun:
     eta: int
@@ -111,6 +146,8 @@ class AsyncRun:
     where: str
     summary: RunSummary
     idle: float
+    stats: dict
+    tail: float | None = None  # the tool service's p99/median (--tails), else None
 
     def row(self) -> dict:
         s = self.summary
@@ -121,6 +158,7 @@ class AsyncRun:
                 "engine_idle_frac": round(self.idle, 3),
                 "initial_accuracy": s.initial_accuracy, "final_accuracy": s.final_accuracy,
                 "best_accuracy": s.best_accuracy, "time_to_target_s": s.time_to_target,
+                **self.stats, **({} if self.tail is None else {"tail": self.tail}),
                 "curve": s.curve}
 
 
@@ -186,19 +224,93 @@ def report(rows: list[dict], target: float | None, console: Console) -> None:
                       f"(step:accuracy@training seconds): {pts}", soft_wrap=True)
 
 
+def time_to(run: dict, target: float) -> tuple[float, bool]:
+    """Training seconds to the first evaluation at or above `target` (from the curve), or the
+    run's whole budget, censored (True), when it never got there."""
+    hit = next((t for _, t, acc in run["curve"] if acc >= target), None)
+    return (hit, False) if hit is not None else (run["train_seconds"], True)
+
+
+def tail_ratios(rows: list[dict], target: float) -> dict:
+    """Per tail and eta > 0: time to `target` over eta 0's (seed by seed, and the mean over
+    seeds; < 1: sooner). A censored time is the run's budget, so a ratio with one is a bound."""
+    out: dict = {}
+    for tail in sorted({r["tail"] for r in rows}):
+        base = {r["seed"]: time_to(r, target) for r in rows if r["tail"] == tail
+                and r["eta"] == 0}
+        for eta in sorted({r["eta"] for r in rows if r["tail"] == tail and r["eta"]}):
+            runs = [r for r in rows if r["tail"] == tail and r["eta"] == eta
+                    and r["seed"] in base]
+            per_seed = {}
+            for r in runs:
+                (t, cut), (t0, cut0) = time_to(r, target), base[r["seed"]]
+                per_seed[str(r["seed"])] = {"ratio": round(t / t0, 3), "censored": cut or cut0}
+            if runs:
+                t = mean([time_to(r, target)[0] for r in runs])
+                t0 = mean([base[r["seed"]][0] for r in runs])
+                out.setdefault(f"r={tail:g}", {})[f"eta={eta}"] = {
+                    "mean": round(t / t0, 3), "per_seed": per_seed}
+    return out
+
+
+def report_tails(rows: list[dict], targets: list[float], console: Console) -> None:
+    """The tool-calling study: per tail r and eta, mean over seeds; times to each target and
+    their ratio to eta 0's (a censored run counts its budget: >= marks a lower bound)."""
+    table = Table(title="Episodes that wait on a tool (configured service time, lognormal, "
+                        "p99 = r x median): eta 0 (synchronous) vs asynchronous, same config, "
+                        "concurrency and budget; mean over seeds")
+    cols = ["r", "eta", "seeds", "steps/s", "engine idle", "trainer idle", "tool p50 s",
+            "tool p99 s", "staleness", "acc start", "acc end",
+            *[f"t to {t:.0%}" for t in targets], *[f"vs eta 0 @{t:.0%}" for t in targets]]
+    for col in cols:
+        table.add_column(col, justify="right")
+    pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
+    for tail in sorted({r["tail"] for r in rows}):
+        base = [r for r in rows if r["tail"] == tail and r["eta"] == 0]
+        for eta in sorted({r["eta"] for r in rows if r["tail"] == tail}):
+            runs = [r for r in rows if r["tail"] == tail and r["eta"] == eta]
+            times, ratios = [], []
+            for target in targets:
+                got = [time_to(r, target) for r in runs]
+                t = mean([x for x, _ in got])
+                times.append(f"{'>=' if any(c for _, c in got) else ''}{t:.0f}s "
+                             f"({sum(not c for _, c in got)}/{len(got)})")
+                if eta and base:
+                    t0 = mean([time_to(r, target)[0] for r in base])
+                    ratios.append(f"{t / t0:.2f}")
+                else:
+                    ratios.append("1.00" if not eta else "-")
+            avg = lambda key: mean([r.get(key, float("nan")) for r in runs])  # noqa: E731
+            table.add_row(f"{tail:g}", str(eta), str(len(runs)), f"{avg('steps_per_s'):.3f}",
+                          pct(avg("engine_idle_frac")), pct(avg("trainer_idle_frac")),
+                          f"{avg('tool_latency_p50_s'):.2f}", f"{avg('tool_latency_p99_s'):.2f}",
+                          f"{avg('staleness_mean'):.2f}", pct(avg("initial_accuracy")),
+                          pct(avg("final_accuracy")), *times, *ratios)
+    console.print(table)
+    console.print("vs eta 0: the time to the target over eta 0's (< 1: sooner); a run that never "
+                  "reached it counts its whole budget")
+
+
 def run_real_benchmark(etas: list[int], seeds: list[int], target: float | None,
                        max_seconds: float, config: str | None, overrides: list[str], out: Path,
                        record: Path | None, sync_split: bool = False,
-                       shared: bool = False) -> list[dict]:
+                       shared: bool = False, tails: list[float] | None = None,
+                       targets: list[float] | None = None,
+                       same_placement: bool = False) -> list[dict]:
     """Every (seed, eta) as its own `asyncrl train` process, seeds outermost (a stopped run
-    leaves balanced seeds); the record is rewritten after each run."""
-    console = Console(width=160)
+    leaves balanced seeds); the record is rewritten after each run. `tails`: for the
+    tool-calling job, every (tail, seed, eta) with the tool service's p99/median set to the
+    tail, reported against `targets` (the middle one's ratios are the record's
+    `time_to_target_ratio`)."""
+    console = Console(width=200)
     rows: list[dict] = []
-    plan = [(seed, eta, eta > 0, False) for seed in seeds for eta in sorted(set([0, *etas]))]
+    plan = [(seed, eta, eta > 0 and not same_placement, False)
+            for seed in seeds for eta in sorted(set([0, *etas]))]
     if sync_split:
         plan += [(seed, 0, True, False) for seed in seeds]
     if shared:
         plan += [(seed, eta, False, True) for seed in seeds for eta in sorted(set(etas)) if eta]
+    plan_tails: list[float | None] = list(tails) if tails else [None]
     if record is not None and record.is_file():  # add to it: runs already there are kept
         old = json.loads(record.read_text())
         same = {"config": config, "max_seconds": max_seconds, "overrides": overrides}
@@ -206,27 +318,40 @@ def run_real_benchmark(etas: list[int], seeds: list[int], target: float | None,
             raise SystemExit(f"{record} holds runs of other settings "
                              f"({ {k: old.get(k) for k in same} }); give another --record")
         rows = old["runs"]
-    done = {(r["seed"], r["eta"], r["placement"]) for r in rows}
-    for seed, eta, split, inproc in plan:
-        where, place = placement(eta, split, inproc)
-        if (seed, eta, where) in done:
-            continue
-        label = f"eta={eta} seed={seed} ({where})"
-        suffix = "-split" if split and eta == 0 else "-shared" if inproc else ""
-        run_dir = out / f"seed{seed}" / f"eta{eta}{suffix}"
-        summary = run_train(label, run_dir, config,
-                            [f"rollout.max_head_offpolicyness={eta}", f"seed={seed}",
-                             f"max_train_seconds={max_seconds}", *place, *overrides],
-                            console, target)
-        if summary is None:
-            continue
-        rows.append(AsyncRun(eta, seed, where, summary,
-                             idle_fraction(run_dir / "metrics.jsonl")).row())
-        if record is not None:
-            record.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
-                                          "config": config, "max_seconds": max_seconds,
-                                          "target": target, "overrides": overrides,
-                                          "cpus": sorted(os.sched_getaffinity(0)),
-                                          "runs": rows}, indent=1))
-    report(rows, target, console)
+    done = {(r.get("tail"), r["seed"], r["eta"], r["placement"]) for r in rows}
+    for tail in plan_tails:
+        for seed, eta, split, inproc in plan:
+            where, place = placement(eta, split, inproc, same_placement)
+            if (tail, seed, eta, where) in done:
+                continue
+            at = [] if tail is None else [f"workflow.service.p99_over_median={tail}"]
+            label = f"{'' if tail is None else f'r={tail:g} '}eta={eta} seed={seed} ({where})"
+            suffix = "-split" if split and eta == 0 else "-shared" if inproc else ""
+            run_dir = (out if tail is None else out / f"r{tail:g}") / f"seed{seed}" / \
+                f"eta{eta}{suffix}"
+            summary = run_train(label, run_dir, config,
+                                [f"rollout.max_head_offpolicyness={eta}", f"seed={seed}",
+                                 f"max_train_seconds={max_seconds}", *place, *at, *overrides],
+                                console, target)
+            if summary is None:
+                continue
+            metrics = run_dir / "metrics.jsonl"
+            rows.append(AsyncRun(eta, seed, where, summary, idle_fraction(metrics),
+                                 run_stats(metrics), tail).row())
+            if record is not None:
+                body = {"command": " ".join(["python", *sys.argv]), "config": config,
+                        "max_seconds": max_seconds, "target": target, "overrides": overrides,
+                        "cpus": sorted(os.sched_getaffinity(0)), "runs": rows}
+                if tails:
+                    middle = sorted(targets)[len(targets) // 2]
+                    body.update(targets=targets, tails=tails, middle_target=middle,
+                                time_to_target_ratio=tail_ratios(rows, middle),
+                                ratio_definition="training seconds to the middle target at "
+                                "this eta over eta 0's, same seed (< 1: sooner); a run that "
+                                "never reached it counts its whole budget (censored)")
+                record.write_text(json.dumps(body, indent=1))
+    if tails:
+        report_tails(rows, targets, console)
+    else:
+        report(rows, target, console)
     return rows

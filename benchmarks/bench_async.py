@@ -73,15 +73,22 @@ def run_real(args: argparse.Namespace) -> None:
     """Time to --target-accuracy of the real loop, eta = 0 vs each of --etas, every seed."""
     import json
 
-    from async_real import report, run_real_benchmark
+    from async_real import report, report_tails, run_real_benchmark
 
+    tails, targets = floats(args.tails) if args.tails else None, floats(args.targets)
     if args.report:
         rec = json.loads(Path(args.report).read_text())
-        report(rec["runs"], args.target_accuracy, Console(width=160))
+        if rec.get("tails"):
+            report_tails(rec["runs"], rec["targets"], Console(width=200))
+        else:
+            report(rec["runs"], args.target_accuracy, Console(width=160))
         return
+    if tails and len(targets) < 1:
+        raise SystemExit("--tails needs --targets (e.g. 0.3,0.4,0.5)")
     run_real_benchmark(args.etas, ints(args.seeds), args.target_accuracy, args.max_seconds,
                        args.config, args.set, Path(args.out),
-                       Path(args.record) if args.record else None, args.sync_split, args.shared)
+                       Path(args.record) if args.record else None, args.sync_split, args.shared,
+                       tails, targets, args.same_placement)
 
 
 # ---- simulation --------------------------------------------------------------------------------
@@ -298,6 +305,14 @@ def main() -> None:
                       help="also run eta = 0 with the split placement (what the split costs)")
     real.add_argument("--shared", action="store_true", help="also run each eta > 0 with the "
                       "engine in the trainer's process, sharing every core (the main job's way)")
+    real.add_argument("--tails", default=None, help="tool-calling job (configs/train_tools.yaml)"
+                      ": run every eta at each of these tool-latency tails (p99/median, "
+                      "comma-separated, e.g. 1,5,20)")
+    real.add_argument("--targets", default="", help="with --tails: held-out accuracies to time "
+                      "(comma-separated; the middle one's ratios are the record's "
+                      "time_to_target_ratio)")
+    real.add_argument("--same-placement", action="store_true", help="every eta placed as the "
+                      "config places it (no split): only eta changes")
     real.add_argument("--record", default=None, help="write the runs here as JSON (runs it "
                       "already holds are kept and not run again)")
     real.add_argument("--report", default=None, help="reprint the table of a --record file")

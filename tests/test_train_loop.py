@@ -293,3 +293,16 @@ def test_torchrun_two_trainer_ranks(model_dir, tmp_path, estimator):
         rows = [m for m in metrics(run) if "reward/mean" in m]
         assert [m["policy/version"] for m in rows] == [1.0, 2.0, 3.0]
         assert "RNG states of 2 ranks" in out.stderr + out.stdout
+
+
+def test_evaluations_every_so_many_training_seconds(model_dir, tmp_path):
+    """eval.every_s: an evaluation after each step that ends `every_s` training seconds or more
+    after the last one (eval.every=0: by time only), plus the start's and the end's."""
+    cfg = small_config(model_dir, tmp_path / "run", total_steps=4, checkpoint_every=0,
+                       **{"eval.every": 0, "eval.every_s": 1e-6})
+    result = Trainer(cfg).train(reward=digit_reward)
+    assert [step for step, _, _ in result.evals] == [0, 1, 2, 3, 4]
+    cfg = small_config(model_dir, tmp_path / "run2", total_steps=3, checkpoint_every=0,
+                       **{"eval.every": 0, "eval.every_s": 1e6})
+    result = Trainer(cfg).train(reward=digit_reward)
+    assert [step for step, _, _ in result.evals] == [0, 3]  # the start's and the end's

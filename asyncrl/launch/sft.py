@@ -72,8 +72,11 @@ SPEED_ONLY = {"train": {"logprob_chunk_tokens"}}
 
 
 def cache_key(cfg: SFTRunConfig) -> str:
-    data = cfg.model_copy(update={"output_dir": None}).model_dump(mode="json", exclude=SPEED_ONLY)
+    data = cfg.model_copy(update={"output_dir": None}).model_dump(
+        mode="json", exclude={**SPEED_ONLY, "base": True})
     payload = yaml.safe_dump(data, sort_keys=False)  # Config.to_yaml's format
+    if cfg.base is not None:  # the warm start continued, by its own key
+        payload += f"\nbase: {cache_key(cfg.base)}\n"
     payload += f"\nsft_recipe_version: {SFT_RECIPE_VERSION}\n"
     if cfg.model.path is None:
         # The result embeds the built tiny model's tokenizer (chat template included): a new
@@ -162,7 +165,8 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
                       f"({cfg.sft.steps} steps; cached in {out} for later runs). An estimate "
                       f"follows after {ESTIMATE_AFTER} steps.")
     torch.manual_seed(cfg.sft.seed)
-    base = resolve_model_dir(cfg.model, cfg.tiny)  # a hub id: its cached snapshot
+    base = (Path(run_sft_job(cfg.base, console).model_dir) if cfg.base is not None
+            else resolve_model_dir(cfg.model, cfg.tiny))  # a hub id: its cached snapshot
     tokenizer = load_tokenizer(base, cfg.model.trust_remote_code)
     vision = vision_encoder(base, cfg.model.trust_remote_code)
 

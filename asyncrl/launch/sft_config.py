@@ -25,6 +25,16 @@ class SFTRunConfig(Config):
     # RL knowing the arithmetic and mostly answering with the wrong habit (configs/sft_tiny.yaml).
     sft: SFTConfig = SFTConfig(steps=600, label_noise=0.6)
     output_dir: str | None = None  # None: a cache directory keyed by this config
+    # the warm start this one continues (taken from the cache, or trained first); model.path
+    # must then be unset. E.g. `base: {}`: the main job's warm start.
+    base: SFTRunConfig | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _one_starting_point(self) -> SFTRunConfig:
+        if self.base is not None and self.model.path is not None:
+            raise ValueError(f"base and model.path ({self.model.path!r}) both name the model to "
+                             "start from; allowed: one of them")
+        return self
 
     @pydantic.model_validator(mode="after")
     def _images_need_a_vision_model(self) -> SFTRunConfig:

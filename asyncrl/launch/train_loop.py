@@ -124,6 +124,7 @@ class TrainLoop:
         self.result = TrainResult(ctx.run_dir)
         # (when, the executor's idle seconds then): the start of the next step's idle share
         self._idle_mark = (time.perf_counter(), parts.executor.idle_seconds)
+        self._evaluated_at = -1  # the step of the last evaluation
 
     def run(self) -> TrainResult:
         try:
@@ -140,7 +141,7 @@ class TrainLoop:
     def _run(self) -> None:
         cfg, state, p = self.cfg, self.state, self.parts
         wall0 = time.perf_counter() - state.wall_seconds
-        if state.step == 0 and cfg.eval.every:
+        if state.step == 0 and cfg.eval.enabled:
             self.evaluate_and_log(initial=True)
         stopped_by = "total_steps"
         while state.step < cfg.total_steps:
@@ -164,7 +165,7 @@ class TrainLoop:
             p.events.step = state.step
             metrics.update({"time/elapsed_s": state.train_seconds,
                             "time/wall_s": state.wall_seconds})
-            if cfg.eval.every and state.step % cfg.eval.every == 0:
+            if self.eval_due():
                 metrics.update(self.evaluate_and_log())
             p.logger.log(state.step, metrics)
             p.progress.update(state.step, metrics)
@@ -176,7 +177,7 @@ class TrainLoop:
 
     def finish(self, stopped_by: str, wall0: float) -> None:
         cfg, state, p = self.cfg, self.state, self.parts
-        if cfg.eval.every and state.step % cfg.eval.every and state.step > 0:
+        if cfg.eval.enabled and state.step > 0 and self._evaluated_at != state.step:
             metrics = self.evaluate_and_log()
             metrics.update({"time/elapsed_s": state.train_seconds,
                             "policy/version": float(p.trainer.trainer.version.value)})
@@ -264,8 +265,18 @@ class TrainLoop:
                 "its answers need more room", 100 * frac, self.state.step + 1,
                 self.cfg.gconfig.max_new_tokens)
 
+    def eval_due(self) -> bool:
+        """After a step: `eval.every` steps, or `eval.every_s` training seconds since the last
+        evaluation (the start's, or none yet: 0 s)."""
+        ev, state = self.cfg.eval, self.state
+        if ev.every and state.step % ev.every == 0:
+            return True
+        last = self.result.evals[-1][1] if self.result.evals else 0.0
+        return ev.every_s is not None and state.train_seconds - last >= ev.every_s
+
     def evaluate_and_log(self, initial: bool = False) -> dict[str, float]:
         p = self.parts
+        self._evaluated_at = self.state.step
         t0 = time.perf_counter()
         report = bounded(p.executor, p.evaluator.aevaluate(p.engines.engine, self.ctx.eval_rows),
                          self.cfg.watchdog.eval_timeout_s, "the evaluation",

@@ -3,6 +3,8 @@ the RolloutWorkflow the executor runs: the `WORKFLOWS` registry (asyncrl/plugins
 
 - rlvr: one prompt, `gconfig.n_samples` sampled answers, one reward each;
 - multi_turn: answer, feedback, retry; `gconfig.n_samples` episodes per prompt form the group;
+- tool_calls: the policy calls tools over HTTP between turns (a tool service the job starts, with a
+  configured service time, or one at `url`); `gconfig.n_samples` episodes per prompt form the group;
 - agent: any agent program (`async def run(data, **kw)`) through the OpenAI-compatible proxy;
 - command: an agent that is a program (argv), run per episode against the proxy;
 - agent_env: the documents' Agent + gymnasium-style Environment, named by path;
@@ -36,6 +38,7 @@ from asyncrl.rollout.agent_env import AgentEnvConfig
 from asyncrl.reward.call import RewardFn
 from asyncrl.rollout.answer_eval import EvalConfig
 from asyncrl.rollout.multi_turn import MultiTurnConfig
+from asyncrl.rollout.tool_service import ToolServiceConfig
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ def _needs_reward(ctx: WorkflowContext, kind: str) -> RewardFn:
 class RLVRWorkflowConfig(Config):
     """One prompt, `gconfig.n_samples` sampled answers, one reward each."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | tool_calls | agent | command | agent_env | custom)
     kind: Literal["rlvr"] = "rlvr"
     # with model.reasoning_parser set, the reward reads only the answer after the reasoning
     # (`</think>`); true: the whole reply (a reward on the reasoning's form or length). The
@@ -85,7 +88,7 @@ class RLVRWorkflowConfig(Config):
 class MultiTurnWorkflowConfig(MultiTurnConfig):
     """Answer, feedback, retry; `gconfig.n_samples` episodes per prompt form the group."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | tool_calls | agent | command | agent_env | custom)
     kind: Literal["multi_turn"] = "multi_turn"
 
     def build(self, ctx: WorkflowContext) -> RolloutWorkflow:
@@ -99,12 +102,54 @@ class MultiTurnWorkflowConfig(MultiTurnConfig):
         return GroupedWorkflow(inner, ctx.gconfig.n_samples)
 
 
+class ToolCallingWorkflowConfig(Config):
+    """The policy calls tools between turns (`asyncrl/rollout/tool_calling.py`): the job starts
+    the tool service (`service`) on 127.0.0.1 and stops it at the end, or uses the one at `url`;
+    `gconfig.n_samples` episodes per prompt form the group."""
+
+    # the workflow (WORKFLOWS: rlvr | multi_turn | tool_calls | agent | command | agent_env | custom)
+    kind: Literal["tool_calls"] = "tool_calls"
+    # the tools, their service time and injected failures (the job's own service)
+    service: ToolServiceConfig = ToolServiceConfig()
+    url: str | None = None  # a tool service already running (then `service` sets only its timeout)
+    # `package.module:NAME` of the OpenAI tool definitions the prompt shows
+    schemas: str = "asyncrl.rollout.calculator:TOOLS"
+    max_tool_calls: int = pydantic.Field(1, ge=1)  # tool rounds per episode before the answer
+    # with model.reasoning_parser set, the reward reads only the answer after the reasoning
+    reward_sees_reasoning: bool = False
+
+    def build(self, ctx: WorkflowContext) -> RolloutWorkflow:
+        from asyncrl.rollout.group import GroupedWorkflow
+        from asyncrl.rollout.tool_calling import ToolCallingWorkflow
+        from asyncrl.rollout.tool_service import ToolClient, ToolServiceProcess
+
+        schemas = import_object(self.schemas, "workflow.schemas")
+        names = sorted(s.get("function", {}).get("name", "?") for s in schemas) \
+            if isinstance(schemas, list) else None
+        if names is None:
+            raise UserError(f"workflow.schemas: {self.schemas!r} is not a list of OpenAI tool "
+                            "definitions ({type: function, function: {name, ...}})")
+        if self.url is None and set(names) != set(self.service.tools):
+            raise UserError(f"workflow.schemas names the tools {names} but workflow.service.tools "
+                            f"serves {sorted(self.service.tools)}; allowed: the same names")
+        reward_fn = _needs_reward(ctx, self.kind)
+        process = ToolServiceProcess(self.service) if self.url is None else None
+        client = process.client() if process else ToolClient(self.url,
+                                                             self.service.client_timeout_s)
+        inner = ToolCallingWorkflow(reward_fn, ctx.gconfig, ctx.tokenizer, client, schemas,
+                                    self.max_tool_calls, ctx.eval, ctx.chat, ctx.context_length,
+                                    self.reward_sees_reasoning,
+                                    on_close=process.stop if process else None)
+        n = ctx.gconfig.n_samples
+        return GroupedWorkflow(inner, n) if n > 1 else inner
+
+
 class AgentWorkflowConfig(AgentConfig):
     """Any agent program (`path: package.module:Class`) talking to the OpenAI-compatible proxy;
     `gconfig.n_samples` runs per prompt form the group. The agent sets its own sampling
     parameters per request; leave temperature unset (1.0) so it matches the trainer's."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | tool_calls | agent | command | agent_env | custom)
     kind: Literal["agent"] = "agent"
 
     def build(self, ctx: WorkflowContext, agent: Any = None,
@@ -138,7 +183,7 @@ class CommandWorkflowConfig(Config):
     `reward: reward_fn`, the run's reward on the session's last reply. Its process group is
     killed at the end, on timeout and on cancellation (asyncrl/proxy/command_agent.py)."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | tool_calls | agent | command | agent_env | custom)
     kind: Literal["command"] = "command"
     argv: list[str] = pydantic.Field(min_length=1, description="the program and its arguments")
     env: dict[str, str] = {}  # more environment variables
@@ -172,7 +217,7 @@ class AgentEnvWorkflowConfig(AgentEnvConfig):
     The env is a gymnasium-style Env (async reset/step, or gymnasium's own sync ones); each
     agent step that generated tokens is a sample, rewarded with the discounted return."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | tool_calls | agent | command | agent_env | custom)
     kind: Literal["agent_env"] = "agent_env"
     agent: str = pydantic.Field(description="package.module:AgentClass")
     env: str = pydantic.Field(description="package.module:EnvClass")
@@ -201,7 +246,7 @@ class CustomWorkflowConfig(Config):
     (`async def run(data, **kw)`, run through the proxy).
     `workflow: {path: ..., kwargs: ...}` without a kind means this one."""
 
-    # the workflow (WORKFLOWS: rlvr | multi_turn | agent | command | agent_env | custom)
+    # the workflow (WORKFLOWS: rlvr | multi_turn | tool_calls | agent | command | agent_env | custom)
     kind: Literal["custom"] = "custom"
     path: str = pydantic.Field(description="package.module:ClassOrFactory")
     kwargs: dict[str, Any] = {}  # keyword arguments of the class or factory
@@ -214,7 +259,8 @@ class CustomWorkflowConfig(Config):
 
 WORKFLOWS: Registry = Registry("workflow",
                                infer_kind=lambda m: "custom" if "path" in m else None)
-for _cls in (RLVRWorkflowConfig, MultiTurnWorkflowConfig, AgentWorkflowConfig,
+for _cls in (RLVRWorkflowConfig, MultiTurnWorkflowConfig, ToolCallingWorkflowConfig,
+             AgentWorkflowConfig,
              CommandWorkflowConfig, AgentEnvWorkflowConfig, CustomWorkflowConfig):
     WORKFLOWS.register(_cls)
 

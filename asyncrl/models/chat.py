@@ -60,6 +60,26 @@ def encode_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def text_after_reply(tokenizer: Any, messages: list[dict[str, Any]], reply: int,
+                     tools: list[dict[str, Any]] | None = None,
+                     template_kwargs: Mapping[str, Any] | None = None, closed: bool = True,
+                     full_text: str | None = None) -> str | None:
+    """The template text that follows the assistant reply `messages[reply]` up to the next
+    generation prompt, for continuing a sequence that holds the reply's sampled ids as they were
+    (re-rendering the reply could tokenize it otherwise). `closed`: the sampled ids end with the
+    EOS token (else the text starts with it). None when the template does not render the
+    conversation as the reply's text followed by more (it rewrites earlier turns)."""
+    full = full_text if full_text is not None else render_chat(
+        tokenizer, messages, True, tools, template_kwargs)
+    upto = render_chat(tokenizer, messages[:reply + 1], False, tools, template_kwargs)
+    eos = tokenizer.eos_token or ""
+    end = upto.rfind(eos) if eos else -1
+    if end < 0 or not full.startswith(upto):
+        return None
+    after = upto[end + len(eos):] + full[len(upto):]
+    return after if closed else eos + after
+
+
 def encode_completion(tokenizer: Any, text: str) -> list[int]:
     """Token ids of an assistant reply as the model should produce it, ending with EOS."""
     ids = tokenizer.encode(text, add_special_tokens=False)

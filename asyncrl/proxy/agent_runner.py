@@ -17,6 +17,7 @@ import multiprocessing
 import os
 from typing import Any
 
+from asyncrl.api import Closable
 from asyncrl.imports import import_object
 from asyncrl.proxy.config import AgentConfig
 
@@ -98,10 +99,14 @@ class AgentRunner:
         return self._pool
 
     async def aclose(self) -> None:
+        """Closes the shared HTTP client, the process pool and, inline, the agent itself when
+        it has `async def aclose()` (its own clients, e.g. to a tool service)."""
         if self._client is not None:
             await self._client.aclose()
             self._client = None
         self.close_pool()
+        if self.cfg.mode == "inline" and isinstance(self.agent, Closable):
+            await self.agent.aclose()
 
     def close_pool(self) -> None:
         if self._pool is not None:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.models.chat import render_chat
+from asyncrl.models.chat import render_chat, text_after_reply
 from asyncrl.proxy.records import Completion
 
 
@@ -66,19 +66,15 @@ def build_prompt(tokenizer: Any, messages: list[dict[str, Any]],
     encode = encode or (lambda text: tokenizer.encode(text, add_special_tokens=False))
     full_text = render_chat(tokenizer, messages, True, tools, template_kwargs)
     naive = encode(full_text)
-    eos_text = tokenizer.eos_token or ""
     # Longest reusable conversation first; among equals the latest.
     for earlier in sorted(history, key=lambda c: (len(c.messages or []), c.turn), reverse=True):
         if not _matches(earlier, messages, tools, template_kwargs):
             continue
-        upto = render_chat(tokenizer, messages[:len(earlier.messages) + 1], False, tools,
-                           template_kwargs)
-        end = upto.rfind(eos_text) if eos_text else -1
-        if end < 0 or not full_text.startswith(upto):
-            continue
-        after_reply = upto[end + len(eos_text):] + full_text[len(upto):]
         closed = bool(earlier.output_ids) and earlier.output_ids[-1] == tokenizer.eos_token_id
-        delta = after_reply if closed else eos_text + after_reply
+        delta = text_after_reply(tokenizer, messages, len(earlier.messages), tools,
+                                 template_kwargs, closed, full_text)
+        if delta is None:
+            continue
         ids = earlier.prompt_ids + earlier.output_ids + encode(delta)
         return ids, earlier, drift(ids, naive)
     return naive, None, 0

@@ -34,6 +34,9 @@ DEFAULT_NEW_TOKENS = 1024  # an eval answer's limit outside a training job (`asy
 
 class EvalConfig(Config):
     every: int = pydantic.Field(10, ge=0, description="training steps between evals; 0 = off")
+    # training seconds between evals, checked after each step (with `every`, whichever comes
+    # first): equal time resolution for runs whose steps take different times; None: steps only
+    every_s: float | None = pydantic.Field(None, gt=0)
     size: int = pydantic.Field(256, ge=1, description="held-out problems the train loop scores")
     pass_k: list[int] = pydantic.Field(default_factory=list,
                                        description="k values of pass@k; empty = greedy only")
@@ -45,6 +48,10 @@ class EvalConfig(Config):
     max_new_tokens: int | None = pydantic.Field(None, ge=1)
     seed: int = pydantic.Field(0, ge=0, description="base of the per-sample seeds")
     concurrency: int = pydantic.Field(256, ge=1, description="requests in flight at once")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every) or self.every_s is not None
 
     @pydantic.field_validator("pass_k")
     @classmethod

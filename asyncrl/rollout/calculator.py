@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import ast
 
+# the calculator as the model sees it in its prompt (an OpenAI tool definition)
+TOOLS = [{"type": "function", "function": {
+    "name": "calc",
+    "description": "Evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
+                   "required": ["expr"]},
+}}]
 MAX_EXPR_CHARS = 64  # bounds the size of any result: no powers, so digits grow linearly
 OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 

@@ -11,14 +11,8 @@ import json
 import random
 import re
 
-from asyncrl.rollout.calculator import calc  # noqa: F401 (the task's tool)
+from asyncrl.rollout.calculator import TOOLS, calc  # noqa: F401 (the task's tool)
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calc",
-    "description": "Evaluate an arithmetic expression",
-    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
-                   "required": ["expr"]},
-}}]
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 INTEGER = re.compile(r"-?\d+")
 
@@ -74,3 +68,15 @@ def check_answer(text: str, answer: int | str) -> float:
         return 0.0
     numbers = INTEGER.findall(text)
     return 1.0 if numbers and numbers[-1] == str(answer).strip() else 0.0
+
+
+TOOL_CREDIT = 0.5  # an episode whose tool call returned the answer but whose reply is wrong
+
+
+def episode_reward(text: str, data: dict) -> float:
+    """The reward of a `tool_calls` episode: 1 for the right final answer, TOOL_CREDIT when a
+    tool returned the answer but the reply did not copy it (a process reward: the warm start
+    calls the tool more reliably than it copies the result), else 0."""
+    if check_answer(text, data["answer"]):
+        return 1.0
+    return TOOL_CREDIT if str(data["answer"]) in data.get("tool_results", ()) else 0.0

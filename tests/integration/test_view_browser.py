@@ -94,7 +94,11 @@ def runs(model_dir, tmp_path_factory) -> Path:
                      metadata={"turns": 2, "tool_calls": 1})
     StepSamples(root / "agent", 1, lambda ids: [pieces[i] for i in ids]).write(
         4, 3, [Trajectory([episode], group_id="add-2-3")], {})
-    (root / "agent" / "metrics.jsonl").write_text('{"step": 4, "reward/mean": 1.0}\n')
+    # with the tool metrics a tool_calls run logs (asyncrl/rollout/tool_calling.py)
+    (root / "agent" / "metrics.jsonl").write_text(json.dumps({
+        "step": 4, "reward/mean": 1.0, "tools/calls": 8.0, "tools/errors_timeout": 1.0,
+        "tools/errors_server_error": 0.0, "tools/latency_p50_s": 0.5,
+        "tools/latency_p99_s": 2.5}) + "\n")
     damaged = root / "damaged"
     shutil.copytree(root / "text", damaged, ignore=shutil.ignore_patterns("checkpoints"))
     lines = (damaged / "metrics.jsonl").read_text().splitlines()
@@ -174,7 +178,8 @@ def test_curves_have_one_point_per_recorded_step_and_events_on_the_timeline(
     text_eval = [x for name, x in plotted if name == "text eval/greedy_accuracy"]
     assert text_eval == [[m["step"] for m in metrics(runs / "text")
                           if "eval/greedy_accuracy" in m]]
-    for chart_id in ("staleness", "staleness_hist", "mismatch", "throughput", "sync"):
+    for chart_id in ("staleness", "staleness_hist", "mismatch", "throughput", "sync", "tools",
+                     "tool_latency"):
         assert int(browser.find_element(By.ID, f"chart-{chart_id}").get_attribute(
             "data-points")) > 0, chart_id
     # checkpoints and the stop are on the timeline chart

@@ -15,6 +15,9 @@ const CHARTS = [
    match: k => /^mismatch\/(logprob_diff_(mean|p99|max)|iw_(p99|max))$/.test(k)},
   {id: "throughput", title: "Throughput (tokens/s)",
    match: k => k === "perf/gen_tokens_per_s" || k === "perf/train_tokens_per_s"},
+  {id: "tools", title: "Tool calls and failures (per step)",
+   match: k => k === "tools/calls" || k.startsWith("tools/errors_")},
+  {id: "tool_latency", title: "Tool latency (s)", match: k => /^tools\/latency_p(50|99)_s$/.test(k)},
   {id: "sync", title: "Weight sync (s)", match: k => k === "perf/weight_sync_s" || k === "perf/wait_s"},
 ];
 const LAG_COLOURS = ["#bbf7d0", "#d9f99d", "#fef08a", "#fde68a", "#fed7aa", "#fdba74", "#fca5a5",
