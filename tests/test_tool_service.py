@@ -76,3 +76,33 @@ def test_failures_reach_the_caller_as_tool_replies():
 
     gone = asyncio.run(after_stop())
     assert gone.error == ToolError.UNREACHABLE and "unreachable" in gone.text
+
+
+def test_the_service_exits_with_the_process_that_started_it(tmp_path):
+    """A job killed outright (SIGKILL: no cleanup runs) leaves no tool service behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("from asyncrl.rollout.tool_service import ToolServiceConfig, ToolServiceProcess\n"
+              "import sys, time\n"
+              "p = ToolServiceProcess(ToolServiceConfig(median_s=0.0))\n"
+              "print(p.proc.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        if open(f"/proc/{child}/stat").read().split()[2] == "Z":  # exited, not yet reaped
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the tool service outlived its parent")

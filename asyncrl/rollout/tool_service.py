@@ -39,6 +39,7 @@ import pydantic
 from asyncrl.config import Config
 
 READY = "asyncrl tool service: listening on "
+PR_SET_PDEATHSIG = 1  # prctl: a signal when the parent exits
 Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 
 
@@ -193,8 +194,8 @@ class ToolServiceProcess:
     def __init__(self, cfg: ToolServiceConfig, start_timeout_s: float = 60.0) -> None:
         self.cfg = cfg
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.rollout.tool_service", "--config",
-             cfg.model_dump_json()],
+            [sys.executable, "-m", "asyncrl.rollout.tool_service", "--die-with-parent",
+             "--config", cfg.model_dump_json()],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + start_timeout_s
         line = ""
@@ -234,7 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default="{}", help="ToolServiceConfig as JSON")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--die-with-parent", action="store_true",
+                    help="exit when the process that started it does (Linux)")
     args = ap.parse_args(argv)
+    if args.die_with_parent and sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     cfg = ToolServiceConfig.from_dict(json.loads(args.config), source="--config")
     app = create_tool_app(cfg, resolve_tools(cfg.tools))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
