@@ -127,6 +127,11 @@ def run_stats(metrics_path: Path) -> dict:
     out = {"staleness_mean": round(mean([r.get("staleness/mean", 0.0) for r in steps]), 3),
            "staleness_max": max([r.get("staleness/max", 0.0) for r in steps], default=0.0),
            "trainer_idle_frac": round(trainer_idle_fraction(metrics_path), 3)}
+    gen = [r for r in steps if "perf/engine_idle_frac" in r]
+    if gen:  # the in-process engine with nothing to generate (rollouts may be waiting on tools)
+        span = [r["perf/wait_s"] + r["perf/train_s"] + r["perf/weight_sync_s"] for r in gen]
+        out["engine_generating_idle_frac"] = round(sum(
+            r["perf/engine_idle_frac"] * t for r, t in zip(gen, span)) / max(sum(span), 1e-9), 3)
     tools = [r for r in steps if r.get("tools/calls")]
     if tools:
         calls = sum(r["tools/calls"] for r in tools)
@@ -259,7 +264,7 @@ def report_tails(rows: list[dict], targets: list[float], console: Console) -> No
     table = Table(title="Episodes that wait on a tool (configured service time, lognormal, "
                         "p99 = r x median): eta 0 (synchronous) vs asynchronous, same config, "
                         "concurrency and budget; mean over seeds")
-    cols = ["r", "eta", "seeds", "steps/s", "engine idle", "trainer idle", "tool p50 s",
+    cols = ["r", "eta", "seeds", "steps/s", "engine idle", "trainer waits", "tool p50 s",
             "tool p99 s", "staleness", "acc start", "acc end",
             *[f"t to {t:.0%}" for t in targets], *[f"vs eta 0 @{t:.0%}" for t in targets]]
     for col in cols:
@@ -282,7 +287,8 @@ def report_tails(rows: list[dict], targets: list[float], console: Console) -> No
                     ratios.append("1.00" if not eta else "-")
             avg = lambda key: mean([r.get(key, float("nan")) for r in runs])  # noqa: E731
             table.add_row(f"{tail:g}", str(eta), str(len(runs)), f"{avg('steps_per_s'):.3f}",
-                          pct(avg("engine_idle_frac")), pct(avg("trainer_idle_frac")),
+                          pct(avg("engine_generating_idle_frac")),
+                          pct(avg("trainer_idle_frac")),
                           f"{avg('tool_latency_p50_s'):.2f}", f"{avg('tool_latency_p99_s'):.2f}",
                           f"{avg('staleness_mean'):.2f}", pct(avg("initial_accuracy")),
                           pct(avg("final_accuracy")), *times, *ratios)

@@ -203,6 +203,7 @@ def test_the_job_starts_the_service_trains_and_stops_it(model_dir, tmp_path):
     assert result.steps == 2
     steps = [m for m in metrics(tmp_path / "run") if "reward/mean" in m]
     assert len(steps) == 2 and all("tools/calls" in m and "tools/error_frac" in m for m in steps)
+    assert all(0.0 <= m["perf/engine_idle_frac"] <= 1.0 for m in steps)
     assert set(service_processes()) <= before
 
 

@@ -17,6 +17,7 @@ import logging
 import concurrent.futures
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,8 @@ class AsyncLLMEngine:
         self._interrupted = False  # `interrupt`: new requests return at once, empty
         self._error: BaseException | None = None
         self._merger: Any = None  # LoRA: base copies of the adapted weights, made on first use
+        self._idle_total = 0.0  # seconds the engine thread waited with nothing to generate
+        self._idle_since: float | None = None  # when its current wait began
         self._thread = threading.Thread(target=self._run, name="asyncrl-engine", daemon=True)
         self._thread.start()
 
@@ -209,6 +212,13 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, float]:
         return self.engine.stats()  # plain counters: a racy read is fine for monitoring
 
+    @property
+    def idle_seconds(self) -> float:
+        """Seconds the engine has had nothing to generate (no sequence, or paused), since it
+        started: a rollout waiting on a tool keeps the executor busy but leaves this idle."""
+        since = self._idle_since
+        return self._idle_total + (time.monotonic() - since if since is not None else 0.0)
+
     # ---- lifecycle ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -282,8 +292,11 @@ class AsyncLLMEngine:
                     self._stream_progress()
                     self._deliver(finished)
                 else:
+                    self._idle_since = time.monotonic()
                     self._wake.wait()
                     self._wake.clear()
+                    self._idle_total += time.monotonic() - self._idle_since
+                    self._idle_since = None
             self._drain_commands()
             self._deliver(self.engine.abort())
         except BaseException as err:  # boundary: fail every caller loudly instead of hanging them

@@ -124,6 +124,7 @@ class TrainLoop:
         self.result = TrainResult(ctx.run_dir)
         # (when, the executor's idle seconds then): the start of the next step's idle share
         self._idle_mark = (time.perf_counter(), parts.executor.idle_seconds)
+        self._engine_idle_mark = self._engine_idle()
         self._evaluated_at = -1  # the step of the last evaluation
 
     def run(self) -> TrainResult:
@@ -233,6 +234,7 @@ class TrainLoop:
                                "watchdog.sync_timeout_s"))
         t3 = time.perf_counter()
         idle, self._idle_mark = self._idle_mark, (t3, p.executor.idle_seconds)
+        engine_idle, self._engine_idle_mark = self._engine_idle_mark, self._engine_idle()
         self.state.step += 1
         p.samples.write(self.state.step, new_version - 1, trajs,
                         p.trainer.actor.take_record())
@@ -246,6 +248,9 @@ class TrainLoop:
             # share of the time since the previous step in which no rollout ran
             "perf/rollout_idle_frac": (self._idle_mark[1] - idle[1]) / max(t3 - idle[0], 1e-9),
             "perf/train_tokens_per_s": metrics["batch/tokens"] / max(t2 - t1, 1e-9),
+            **({} if engine_idle is None else {  # in-process engine: nothing to generate
+                "perf/engine_idle_frac": (self._engine_idle_mark - engine_idle)
+                / max(t3 - idle[0], 1e-9)}),
             "rollout/stale_dropped": float(stats["stale_dropped"]),
             "rollout/failed": float(stats["failed"]),
             "rollout/running": float(stats["running"]),
@@ -264,6 +269,10 @@ class TrainLoop:
                 "the model ended them; raise gconfig.max_new_tokens (or the model's context) if "
                 "its answers need more room", 100 * frac, self.state.step + 1,
                 self.cfg.gconfig.max_new_tokens)
+
+    def _engine_idle(self) -> float | None:
+        """The in-process engine's idle seconds so far (None for servers: not known here)."""
+        return getattr(self.parts.engines.engine, "idle_seconds", None)
 
     def eval_due(self) -> bool:
         """After a step: `eval.every` steps, or `eval.every_s` training seconds since the last
