@@ -1,6 +1,7 @@
 """The `asyncrl` command as a user runs it: real subprocesses, one-line errors, no tracebacks."""
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -109,3 +110,27 @@ def test_local_servers_without_their_package_are_one_error_naming_server_python(
                     "inference.mode=local", f"inference.backend={backend}", "total_steps=1",
                     f"output_dir={tmp_path / 'run'}"], tmp_path)
     assert_one_clean_error(proc, "inference.server_python=", f"no module named '{backend}'")
+
+
+def test_a_warm_start_continues_its_base_trained_first(tmp_path, monkeypatch):
+    """`base:` names the warm start this one continues: trained first when missing (then
+    cached), keyed into this one's cache key; `base` and `model.path` together are refused."""
+    from asyncrl.config import ConfigError
+    from asyncrl.launch.sft import cache_key, run_sft_job
+    from asyncrl.launch.sft_config import SFTRunConfig
+
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
+    small = {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                      "intermediate_size": 64},
+             "data": {"num_train": 16, "num_eval": 4},
+             "sft": {"steps": 2, "batch_size": 4, "eval_size": 2, "eval_max_new_tokens": 3}}
+    cfg = SFTRunConfig.from_dict({**small, "base": small, "sft": {**small["sft"], "steps": 1}})
+    assert cache_key(cfg) != cache_key(cfg.model_copy(update={"base": None}))
+    assert cache_key(cfg) != cache_key(SFTRunConfig.from_dict({**cfg.model_dump(
+        exclude={"base"}), "base": {**small, "sft": {**small["sft"], "seed": 5}}}))
+    result = run_sft_job(cfg)
+    base_dir = tmp_path / "cache" / "sft" / f"tiny-sft-{cache_key(cfg.base)}"
+    assert (base_dir / "sft_result.json").is_file() and not result.cached
+    assert json.loads((Path(result.model_dir) / "sft_result.json").read_text())["steps"] == 1
+    with pytest.raises(ConfigError, match="base and model.path"):
+        SFTRunConfig.from_dict({"base": {}, "model": {"path": str(base_dir)}})

@@ -226,3 +226,49 @@ def test_many_episodes_waiting_on_the_tool_lose_and_duplicate_nothing(tokenizer,
     assert out["lost"] == out["duplicated"] == out["unknown"] == 0
     assert out["rejected"] == out["failed"] == 0
     assert max(s["running"] for s in out["samples"]) > 24  # the episodes did wait together
+
+
+class CheckPolicy:
+    """Scripted (see the module docstring) for the check task: guesses a+b, one too many on
+    every other problem, calls `check`, answers the right sum after `wrong`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        prompt = self.tok.decode(req.input_ids)
+        a, b = map(int, re.findall(r"(\d+)\+(\d+)=", prompt)[-1])
+        verdicts = RESULT.findall(prompt)
+        if verdicts:
+            text = str(a + b)
+        else:
+            guess = a + b + (a % 2)
+            text = ('<tool_call>{"name":"check","arguments":{"answer":"%d"}}</tool_call>' % guess)
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+        return ModelResponse(list(req.input_ids), ids, [-0.5] * len(ids), [0] * len(ids),
+                             StopReason.STOP)
+
+
+def test_the_check_task_sends_the_episode_context_with_each_call(tokenizer):
+    """asyncrl/data/arithmetic_check.py: the checker knows the problem from the row's
+    `tool_context` (the harness's), not from the policy; its demonstrations call it."""
+    from asyncrl.data.arithmetic_check import CHECK_TOOLS, ArithmeticCheckTaskConfig, check
+
+    task = ArithmeticCheckTaskConfig(num_train=40, num_eval=8).build()
+    data = task.eval_rows()
+    assert check("5", {"answer": "5"}) == "correct" and check("6", {"answer": "5"}) == "wrong"
+    assert check("5").startswith("error: ")
+    demos = [r["conversation"] for r in task.train_rows()]
+    assert all(d[1]["tool_calls"][0]["function"]["name"] == "check" for d in demos)
+    assert {d[2]["content"] for d in demos} == {"correct", "wrong"}
+    cfg = ToolServiceConfig(tools={"check": "asyncrl.data.arithmetic_check:check"},
+                            median_s=0.01)
+    with ToolServiceProcess(cfg) as service:
+        wf = ToolCallingWorkflow(lambda text, row: float(text.strip() == row["answer"]),
+                                 GenerationConfig(max_new_tokens=80), tokenizer,
+                                 service.client(), CHECK_TOOLS)
+        trajs = run(wf, CheckPolicy(tokenizer), data)
+    for row, traj in zip(data, trajs):
+        a = int(row["question"].split("+")[0])
+        assert traj.samples[0].metadata["tool_results"] == ["wrong" if a % 2 else "correct"]
+        assert traj.samples[0].reward == 1.0

@@ -6,7 +6,9 @@ service (`ToolClient`: a timeout, a 5xx, a refused connection or a call the tool
 as an "error: ..." result the policy reads, and is counted), then the tool messages are rendered
 with the chat template right after the reply's own sampled ids and the model answers. One
 training sequence holds the whole episode: generated tokens are trained on (loss_mask 1, their
-versions), the tool results are not (mask 0). The reward reads the final reply; the row it gets
+versions), the tool results are not (mask 0). A row's `tool_context` (the episode's state held
+by the harness, e.g. the problem a remote checker verifies against) goes with each of its calls
+as the `context` argument. The reward reads the final reply; the row it gets
 also holds `tool_results` (the texts the tools returned, in order) for rewards that credit a right
 call. An episode whose `max_tool_calls` rounds are used up ends with its last reply.
 
@@ -128,7 +130,7 @@ class ToolCallingWorkflow:
         return EvalReport(accuracy, "greedy accuracy", metrics,
                           f", called a tool {metrics['eval/tool_call_frac']:.0%}", answers)
 
-    async def _call(self, call: dict[str, Any]) -> ToolReply:
+    async def _call(self, call: dict[str, Any], context: Any) -> ToolReply:
         fn = call["function"]
         try:
             arguments = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) \
@@ -139,6 +141,8 @@ class ToolCallingWorkflow:
             reply = ToolReply(f"error: the arguments of {fn['name']} must be a JSON object",
                               ToolError.BAD_CALL, 0.0)
         else:
+            if context is not None:  # the episode's state, from the harness (not the policy)
+                arguments = {**arguments, "context": context}
             reply = await self.client.call(fn["name"], arguments)
         self.stats.call(reply)
         return reply
@@ -162,7 +166,8 @@ class ToolCallingWorkflow:
             malformed += reply.malformed_tool_call
             if not reply.tool_calls or round_ == self.max_tool_calls:
                 break
-            tool_replies = await asyncio.gather(*(self._call(c) for c in reply.tool_calls))
+            tool_replies = await asyncio.gather(*(self._call(c, data.get("tool_context"))
+                                                  for c in reply.tool_calls))
             messages.append(reply.message())
             for call, tool in zip(reply.tool_calls, tool_replies):
                 messages.append({"role": "tool", "tool_call_id": call["id"],
