@@ -228,47 +228,45 @@ def test_many_episodes_waiting_on_the_tool_lose_and_duplicate_nothing(tokenizer,
     assert max(s["running"] for s in out["samples"]) > 24  # the episodes did wait together
 
 
-class CheckPolicy:
-    """Scripted (see the module docstring) for the check task: guesses a+b, one too many on
-    every other problem, calls `check`, answers the right sum after `wrong`."""
+class LookupPolicy:
+    """Scripted (see the module docstring) for the lookup task: calls `get_problem`, then
+    answers the sum it read, one too many on odd first operands."""
 
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        prompt = self.tok.decode(req.input_ids)
-        a, b = map(int, re.findall(r"(\d+)\+(\d+)=", prompt)[-1])
-        verdicts = RESULT.findall(prompt)
-        if verdicts:
-            text = str(a + b)
+        results = RESULT.findall(self.tok.decode(req.input_ids))
+        if results:
+            a, b = map(int, re.findall(r"(\d+)\+(\d+)=", results[-1])[-1])
+            text = str(a + b + a % 2)
         else:
-            guess = a + b + (a % 2)
-            text = ('<tool_call>{"name":"check","arguments":{"answer":"%d"}}</tool_call>' % guess)
+            text = '<tool_call>{"name":"get_problem","arguments":{}}</tool_call>'
         ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
         return ModelResponse(list(req.input_ids), ids, [-0.5] * len(ids), [0] * len(ids),
                              StopReason.STOP)
 
 
-def test_the_check_task_sends_the_episode_context_with_each_call(tokenizer):
-    """asyncrl/data/arithmetic_check.py: the checker knows the problem from the row's
+def test_the_lookup_task_sends_the_episode_context_with_each_call(tokenizer):
+    """asyncrl/data/arithmetic_lookup.py: the tool knows the episode's problem from the row's
     `tool_context` (the harness's), not from the policy; its demonstrations call it."""
-    from asyncrl.data.arithmetic_check import CHECK_TOOLS, ArithmeticCheckTaskConfig, check
+    from asyncrl.data.arithmetic_lookup import (LOOKUP_TOOLS, ArithmeticLookupTaskConfig,
+                                                get_problem)
 
-    task = ArithmeticCheckTaskConfig(num_train=40, num_eval=8).build()
+    task = ArithmeticLookupTaskConfig(num_train=40, num_eval=8).build()
     data = task.eval_rows()
-    assert check("5", {"answer": "5"}) == "correct" and check("6", {"answer": "5"}) == "wrong"
-    assert check("5").startswith("error: ")
+    assert get_problem({"problem": "1+2="}) == "1+2=" and get_problem().startswith("error: ")
     demos = [r["conversation"] for r in task.train_rows()]
-    assert all(d[1]["tool_calls"][0]["function"]["name"] == "check" for d in demos)
-    assert {d[2]["content"] for d in demos} == {"correct", "wrong"}
-    cfg = ToolServiceConfig(tools={"check": "asyncrl.data.arithmetic_check:check"},
+    assert all(d[1]["tool_calls"][0]["function"]["name"] == "get_problem" for d in demos)
+    assert all(d[2]["content"] == r["question"] + "=" for d, r in zip(demos, task.train_rows()))
+    cfg = ToolServiceConfig(tools={"get_problem": "asyncrl.data.arithmetic_lookup:get_problem"},
                             median_s=0.01)
     with ToolServiceProcess(cfg) as service:
         wf = ToolCallingWorkflow(lambda text, row: float(text.strip() == row["answer"]),
-                                 GenerationConfig(max_new_tokens=80), tokenizer,
-                                 service.client(), CHECK_TOOLS)
-        trajs = run(wf, CheckPolicy(tokenizer), data)
+                                 GenerationConfig(max_new_tokens=64), tokenizer,
+                                 service.client(), LOOKUP_TOOLS)
+        trajs = run(wf, LookupPolicy(tokenizer), data)
     for row, traj in zip(data, trajs):
         a = int(row["question"].split("+")[0])
-        assert traj.samples[0].metadata["tool_results"] == ["wrong" if a % 2 else "correct"]
-        assert traj.samples[0].reward == 1.0
+        assert traj.samples[0].metadata["tool_results"] == [row["question"] + "="]
+        assert traj.samples[0].reward == float(a % 2 == 0)
