@@ -228,45 +228,48 @@ def test_many_episodes_waiting_on_the_tool_lose_and_duplicate_nothing(tokenizer,
     assert max(s["running"] for s in out["samples"]) > 24  # the episodes did wait together
 
 
-class LookupPolicy:
-    """Scripted (see the module docstring) for the lookup task: calls `get_problem`, then
-    answers the sum it read, one too many on odd first operands."""
+class SubmitPolicy:
+    """Scripted (see the module docstring) for the submit task: answers the sum in the prompt,
+    one too many on odd first operands, with the `submit` call; then `Done.`."""
 
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
-        results = RESULT.findall(self.tok.decode(req.input_ids))
-        if results:
-            a, b = map(int, re.findall(r"(\d+)\+(\d+)=", results[-1])[-1])
-            text = str(a + b + a % 2)
+        prompt = self.tok.decode(req.input_ids)
+        if RESULT.findall(prompt):
+            text = "Done."
         else:
-            text = '<tool_call>{"name":"get_problem","arguments":{}}</tool_call>'
+            a, b = map(int, re.findall(r"(\d+)\+(\d+)=", prompt)[-1])
+            text = f'{a + b + a % 2}<tool_call>{{"name":"submit","arguments":{{}}}}</tool_call>'
         ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
         return ModelResponse(list(req.input_ids), ids, [-0.5] * len(ids), [0] * len(ids),
                              StopReason.STOP)
 
 
-def test_the_lookup_task_sends_the_episode_context_with_each_call(tokenizer):
-    """asyncrl/data/arithmetic_lookup.py: the tool knows the episode's problem from the row's
-    `tool_context` (the harness's), not from the policy; its demonstrations call it."""
-    from asyncrl.data.arithmetic_lookup import (LOOKUP_TOOLS, ArithmeticLookupTaskConfig,
-                                                get_problem)
+def test_the_submit_task_grades_the_reply_with_the_episode_context(tokenizer):
+    """asyncrl/data/arithmetic_submit.py: the grader knows the answer from the row's
+    `tool_context` (the harness's) and the reply that made the call; its demonstrations call
+    it; the reward is its verdict."""
+    from asyncrl.data.arithmetic_submit import (ArithmeticSubmitTaskConfig, submit,
+                                                verdict_reward)
 
-    task = ArithmeticLookupTaskConfig(num_train=40, num_eval=8).build()
+    task = ArithmeticSubmitTaskConfig(num_train=40, num_eval=8).build()
     data = task.eval_rows()
-    assert get_problem({"problem": "1+2="}) == "1+2=" and get_problem().startswith("error: ")
+    assert submit({"answer": "5", "reply": " 5"}) == "correct"
+    assert submit({"answer": "5", "reply": "6"}) == "wrong" and submit().startswith("error: ")
     demos = [r["conversation"] for r in task.train_rows()]
-    assert all(d[1]["tool_calls"][0]["function"]["name"] == "get_problem" for d in demos)
-    assert all(d[2]["content"] == r["question"] + "=" for d, r in zip(demos, task.train_rows()))
-    cfg = ToolServiceConfig(tools={"get_problem": "asyncrl.data.arithmetic_lookup:get_problem"},
+    assert all(d[1]["tool_calls"][0]["function"]["name"] == "submit" for d in demos)
+    assert {d[2]["content"] for d in demos} == {"correct", "wrong"}
+    cfg = ToolServiceConfig(tools={"submit": "asyncrl.data.arithmetic_submit:submit"},
                             median_s=0.01)
     with ToolServiceProcess(cfg) as service:
-        wf = ToolCallingWorkflow(lambda text, row: float(text.strip() == row["answer"]),
-                                 GenerationConfig(max_new_tokens=64), tokenizer,
-                                 service.client(), LOOKUP_TOOLS)
-        trajs = run(wf, LookupPolicy(tokenizer), data)
+        wf = ToolCallingWorkflow(verdict_reward, GenerationConfig(max_new_tokens=64), tokenizer,
+                                 service.client(), None)
+        trajs = run(wf, SubmitPolicy(tokenizer), data)
     for row, traj in zip(data, trajs):
-        a = int(row["question"].split("+")[0])
-        assert traj.samples[0].metadata["tool_results"] == [row["question"] + "="]
-        assert traj.samples[0].reward == float(a % 2 == 0)
+        odd = int(row["question"].split("+")[0]) % 2
+        sample = traj.samples[0]
+        assert sample.metadata["tool_results"] == ["wrong" if odd else "correct"]
+        assert sample.reward == float(not odd) and sample.metadata["completion_text"] == "Done."
+        assert tokenizer.decode(sample.input_ids).startswith("<|im_start|>user\n")  # no tools

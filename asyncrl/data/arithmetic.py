@@ -30,7 +30,7 @@ ENUMERATE_LIMIT = 200_000
 
 class ArithmeticTaskConfig(Config):
     # the synthetic task: arithmetic expressions with a numeric answer
-    # the dataset (DATASETS: arithmetic | arithmetic_lookup | chain | counting | gsm8k | jsonl | parquet | hf)
+    # the dataset (DATASETS: arithmetic | arithmetic_submit | chain | counting | gsm8k | jsonl | parquet | hf)
     kind: Literal["arithmetic"] = "arithmetic"
     digits: int = pydantic.Field(2, ge=1, le=6, description="max digits per operand")
     num_operands: int = pydantic.Field(2, ge=2, le=4)  # numbers per expression

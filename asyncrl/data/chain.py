@@ -24,7 +24,7 @@ from asyncrl.data.split import Row, fill_prompt, make_row, require_placeholder, 
 
 
 class ChainTaskConfig(Config):
-    # the dataset (DATASETS: arithmetic | arithmetic_lookup | chain | counting | gsm8k | jsonl | parquet | hf)
+    # the dataset (DATASETS: arithmetic | arithmetic_submit | chain | counting | gsm8k | jsonl | parquet | hf)
     kind: Literal["chain"] = "chain"
     digits: int = pydantic.Field(2, ge=1, le=4, description="max digits per operand")
     min_terms: int = pydantic.Field(2, ge=2)  # numbers in the shortest problems

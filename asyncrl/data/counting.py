@@ -34,7 +34,7 @@ BACKGROUND = (123, 117, 104)
 class CountingTaskConfig(Config):
     """Rendered counting scenes (the dataset kind for vision-language models)."""
 
-    # the dataset (DATASETS: arithmetic | arithmetic_lookup | chain | counting | gsm8k | jsonl | parquet | hf)
+    # the dataset (DATASETS: arithmetic | arithmetic_submit | chain | counting | gsm8k | jsonl | parquet | hf)
     kind: Literal["counting"] = "counting"
     has_images: ClassVar[bool] = True  # rows carry images: a vision-language model's task
     min_objects: int = pydantic.Field(1, ge=0)

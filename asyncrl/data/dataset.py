@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from asyncrl.config import ConfigError
 from asyncrl.data.arithmetic import ArithmeticTaskConfig
-from asyncrl.data.arithmetic_lookup import ArithmeticLookupTaskConfig
+from asyncrl.data.arithmetic_submit import ArithmeticSubmitTaskConfig
 from asyncrl.data.chain import ChainTaskConfig
 from asyncrl.data.counting import CountingTaskConfig
 from asyncrl.data.files import FileDatasetConfig
@@ -32,7 +32,7 @@ class TaskDataset(Protocol):
 
 
 DATASETS: Registry = Registry("dataset", default_kind="arithmetic")
-for _cls in (ArithmeticTaskConfig, ArithmeticLookupTaskConfig, ChainTaskConfig, CountingTaskConfig, GSM8KConfig, FileDatasetConfig,
+for _cls in (ArithmeticTaskConfig, ArithmeticSubmitTaskConfig, ChainTaskConfig, CountingTaskConfig, GSM8KConfig, FileDatasetConfig,
              HFDatasetConfig):
     DATASETS.register(_cls)
 

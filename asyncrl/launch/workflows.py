@@ -112,8 +112,9 @@ class ToolCallingWorkflowConfig(Config):
     # the tools, their service time and injected failures (the job's own service)
     service: ToolServiceConfig = ToolServiceConfig()
     url: str | None = None  # a tool service already running (then `service` sets only its timeout)
-    # `package.module:NAME` of the OpenAI tool definitions the prompt shows
-    schemas: str = "asyncrl.rollout.calculator:TOOLS"
+    # `package.module:NAME` of the OpenAI tool definitions the prompt shows; None: no tool list
+    # (a policy trained to call its tools without one)
+    schemas: str | None = "asyncrl.rollout.calculator:TOOLS"
     max_tool_calls: int = pydantic.Field(1, ge=1)  # tool rounds per episode before the answer
     # with model.reasoning_parser set, the reward reads only the answer after the reasoning
     reward_sees_reasoning: bool = False
@@ -123,15 +124,18 @@ class ToolCallingWorkflowConfig(Config):
         from asyncrl.rollout.tool_calling import ToolCallingWorkflow
         from asyncrl.rollout.tool_service import ToolClient, ToolServiceProcess
 
-        schemas = import_object(self.schemas, "workflow.schemas")
-        names = sorted(s.get("function", {}).get("name", "?") for s in schemas) \
-            if isinstance(schemas, list) else None
-        if names is None:
-            raise UserError(f"workflow.schemas: {self.schemas!r} is not a list of OpenAI tool "
-                            "definitions ({type: function, function: {name, ...}})")
-        if self.url is None and set(names) != set(self.service.tools):
-            raise UserError(f"workflow.schemas names the tools {names} but workflow.service.tools "
-                            f"serves {sorted(self.service.tools)}; allowed: the same names")
+        schemas = None
+        if self.schemas is not None:
+            schemas = import_object(self.schemas, "workflow.schemas")
+            names = sorted(s.get("function", {}).get("name", "?") for s in schemas) \
+                if isinstance(schemas, list) else None
+            if names is None:
+                raise UserError(f"workflow.schemas: {self.schemas!r} is not a list of OpenAI "
+                                "tool definitions ({type: function, function: {name, ...}})")
+            if self.url is None and set(names) != set(self.service.tools):
+                raise UserError(f"workflow.schemas names the tools {names} but "
+                                f"workflow.service.tools serves {sorted(self.service.tools)}; "
+                                "allowed: the same names")
         reward_fn = _needs_reward(ctx, self.kind)
         process = ToolServiceProcess(self.service) if self.url is None else None
         client = process.client() if process else ToolClient(self.url,

@@ -7,8 +7,8 @@ as an "error: ..." result the policy reads, and is counted), then the tool messa
 with the chat template right after the reply's own sampled ids and the model answers. One
 training sequence holds the whole episode: generated tokens are trained on (loss_mask 1, their
 versions), the tool results are not (mask 0). A row's `tool_context` (the episode's state held
-by the harness, e.g. the problem a remote checker verifies against) goes with each of its calls
-as the `context` argument. The reward reads the final reply; the row it gets
+by the harness, e.g. the answer a remote grader grades against) goes with each of its calls as the
+`context` argument, with `reply`: the text of the reply that made the call. The reward reads the final reply; the row it gets
 also holds `tool_results` (the texts the tools returned, in order) for rewards that credit a right
 call. An episode whose `max_tool_calls` rounds are used up ends with its last reply.
 
@@ -83,11 +83,12 @@ class ToolStats:
 
 class ToolCallingWorkflow:
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
-                 client: ToolClient, schemas: list[dict[str, Any]], max_tool_calls: int = 1,
+                 client: ToolClient, schemas: list[dict[str, Any]] | None, max_tool_calls: int = 1,
                  eval_cfg: EvalConfig | None = None, chat: ChatOptions | None = None,
                  context_length: int | None = None, reward_sees_reasoning: bool = False,
                  on_close: Any = None) -> None:
-        """`client`: the tool service's; `schemas`: the OpenAI tool definitions the prompt shows;
+        """`client`: the tool service's; `schemas`: the OpenAI tool definitions the prompt shows
+        (None: no tool list, for a policy trained to call its tools without one);
         `on_close`: called by `aclose` (the job's service process stops there)."""
         self.reward_fn, self.tokenizer, self.client = reward_fn, tokenizer, client
         self.schemas, self.max_tool_calls = schemas, max_tool_calls
@@ -166,7 +167,10 @@ class ToolCallingWorkflow:
             malformed += reply.malformed_tool_call
             if not reply.tool_calls or round_ == self.max_tool_calls:
                 break
-            tool_replies = await asyncio.gather(*(self._call(c, data.get("tool_context"))
+            context = data.get("tool_context")
+            if context is not None:  # with the reply that made the calls (a `submit` grades it)
+                context = {**context, "reply": reply.content or ""}
+            tool_replies = await asyncio.gather(*(self._call(c, context)
                                                   for c in reply.tool_calls))
             messages.append(reply.message())
             for call, tool in zip(reply.tool_calls, tool_replies):
