@@ -98,7 +98,7 @@ def test_cli_quick_sim_runs():
 def test_real_mode_summary_reads_a_run(tmp_path):
     import json
 
-    from async_real import SYNC, AsyncRun, idle_fraction, report, summarise
+    from async_real import SYNC, AsyncRun, idle_fraction, report, run_stats, summarise
     from rich.console import Console
 
     step = {"perf/wait_s": 1.0, "perf/train_s": 2.0, "perf/weight_sync_s": 1.0}
@@ -114,11 +114,34 @@ def test_real_mode_summary_reads_a_run(tmp_path):
     assert (s.steps, s.train_seconds, s.time_to_target) == (2, 9.0, 9.0)
     assert s.initial_accuracy == 0.1 and s.best_accuracy == 0.5 and s.gen_tokens_per_s == 11.0
     assert idle_fraction(path) == pytest.approx(0.5 * 4 / 12)  # weighted by each step's time
-    sync = AsyncRun(0, 0, SYNC, s, 0.3).row()
-    fast = AsyncRun(2, 0, "split", summarise(2, path, target=0.4), 0.0).row()
+    stats = run_stats(path)
+    assert stats["trainer_idle_frac"] == pytest.approx(2 / 12, abs=1e-3)  # waits over steps
+    sync = AsyncRun(0, 0, SYNC, s, 0.3, stats).row()
+    fast = AsyncRun(2, 0, "split", summarise(2, path, target=0.4), 0.0, stats).row()
     fast["steps_per_s"] *= 2
     fast["curve"] = [(0, 0.0, 0.1), (2, 3.0, 0.5)]  # the target 3x sooner
     console = Console(record=True, width=250)
     report([sync, fast], 0.4, console)
     text = console.export_text()
     assert "3.00x" in text and "2.00x" in text and "30.0%" in text
+
+
+def test_tool_study_ratios_are_per_seed_and_censored_runs_count_their_budget():
+    """bench_async --tails: time to the target at each eta over eta 0's, seed by seed; a run
+    that never reached it counts its whole budget and is marked censored."""
+    from async_real import report_tails, tail_ratios
+    from rich.console import Console
+
+    def run(eta, seed, curve, seconds=100.0):
+        return {"tail": 20.0, "eta": eta, "seed": seed, "train_seconds": seconds,
+                "curve": curve, "steps_per_s": 1.0}
+
+    rows = [run(0, 0, [(0, 0.0, 0.1), (5, 80.0, 0.5)]), run(4, 0, [(0, 0.0, 0.1), (9, 20.0, 0.5)]),
+            run(0, 1, [(0, 0.0, 0.1), (5, 100.0, 0.2)]), run(4, 1, [(0, 0.0, 0.1), (9, 25.0, 0.4)])]
+    ratios = tail_ratios(rows, 0.4)["r=20"]["eta=4"]
+    assert ratios["per_seed"] == {"0": {"ratio": 0.25, "censored": False},
+                                  "1": {"ratio": 0.25, "censored": True}}
+    assert ratios["mean"] == pytest.approx(22.5 / 90.0, abs=1e-3)
+    console = Console(record=True, width=250)
+    report_tails(rows, [0.3, 0.4], console)
+    assert "0.25" in console.export_text()
