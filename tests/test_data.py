@@ -401,11 +401,13 @@ def test_union_rejects_unknown_kind():
         RunCfg.from_dict({"data": {"kind": "foo", "path": "x"}}, "run.yaml")
     msg = str(err.value)
     assert msg.startswith("run.yaml: data")
-    assert msg.endswith("allowed: arithmetic, chain, counting, gsm8k, jsonl, parquet, hf")
+    assert msg.endswith("allowed: arithmetic, arithmetic_submit, chain, counting, gsm8k, jsonl, "
+                        "parquet, hf")
     with pytest.raises(ConfigError) as err:
         parse_dataset_config({"kind": "foo"}, "run.yaml: data")
     assert str(err.value) == ("run.yaml: data: dataset kind='foo' is not known; "
-                              "allowed: arithmetic, chain, counting, gsm8k, jsonl, parquet, hf")
+                              "allowed: arithmetic, arithmetic_submit, chain, counting, gsm8k, "
+                              "jsonl, parquet, hf")
     with pytest.raises(ConfigError, match="kind=3 is not known"):
         load_dataset({"kind": 3})
     with pytest.raises(ConfigError, match="data: dataset=3: expected a name or a mapping"):
@@ -417,8 +419,10 @@ def test_missing_kind_means_the_default_arithmetic_task():
     cfg = RunCfg.load(None, ["data.num_train=20", "data.digits=1"])
     assert isinstance(cfg.data, ArithmeticTaskConfig) and cfg.data.num_train == 20
     assert len(load_dataset({"num_train": 7, "num_eval": 2}).train_rows()) == 7
-    assert DATASETS.kinds() == ["arithmetic", "chain", "counting", "gsm8k", "jsonl", "parquet", "hf"]
-    where = {"arithmetic": {}, "chain": {}, "counting": {}, "hf": {"name": "org/p"}}
+    assert DATASETS.kinds() == ["arithmetic", "arithmetic_submit", "chain", "counting", "gsm8k",
+                                "jsonl", "parquet", "hf"]
+    where = {"arithmetic": {}, "arithmetic_submit": {}, "chain": {}, "counting": {},
+             "hf": {"name": "org/p"}}
     for kind in DATASETS.kinds():  # each name validates into its registered class
         cls = DATASETS.config_class(kind)
         member = RunCfg.from_dict({"data": {"kind": kind, **where.get(kind, {"path": "p"})}}).data
