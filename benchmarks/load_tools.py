@@ -12,8 +12,8 @@ the `openai` SDK through the proxy, calling the same service over HTTP.
     python benchmarks/load_tools.py --mode proxy --in-flight 512 --minutes 10 \
         --record benchmarks/results/load_tools_proxy.json
 
-The policy is the tool-calling warm start (configs/train_tools.yaml's, trained first if it is
-not cached), so episodes really call the tool; `--model DIR` takes another.
+The policy is the calculator agent's warm start (examples/tool_agent/sft.yaml, trained first if
+it is not cached), so episodes really call the calculator; `--model DIR` takes another.
 """
 
 from __future__ import annotations
@@ -41,12 +41,20 @@ def open_fds(pid: int | str = "self") -> int:
 
 
 def warm_start() -> Path:
-    """The tool-calling job's warm start (cached; trained first when missing)."""
-    from asyncrl.launch.sft import run_sft_job
-    from asyncrl.launch.train_config import TrainRunConfig
+    """The calculator agent's warm start (examples/tool_agent/sft.yaml: it writes calc calls;
+    cached, trained first when missing; its data comes from examples.tool_agent.make_data)."""
+    import yaml
 
-    cfg = TrainRunConfig.load(str(ROOT / "configs" / "train_tools.yaml"), [])
-    return Path(run_sft_job(cfg.warm_start).model_dir)
+    from asyncrl.launch.sft import run_sft_job
+    from asyncrl.launch.sft_config import SFTRunConfig
+
+    if not (ROOT / "examples" / "tool_agent" / "data" / "sft.jsonl").is_file():
+        from examples.tool_agent.make_data import make_files
+
+        make_files(ROOT / "examples" / "tool_agent" / "data", 0)
+    path = ROOT / "examples" / "tool_agent" / "sft.yaml"
+    cfg = SFTRunConfig.from_dict(yaml.safe_load(path.read_text()), source=str(path))
+    return Path(run_sft_job(cfg).model_dir)
 
 
 def rows_from(n: int):

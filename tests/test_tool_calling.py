@@ -207,6 +207,22 @@ def test_the_job_starts_the_service_trains_and_stops_it(model_dir, tmp_path):
     assert set(service_processes()) <= before
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_the_job_uses_a_running_service_at_url(model_dir, tmp_path):
+    """workflow.url: the job calls a service it did not start (and leaves it running)."""
+    from asyncrl import Trainer
+    from tests.test_train_loop import metrics, small_config
+
+    with ToolServiceProcess(ToolServiceConfig(median_s=0.0)) as service:
+        cfg = small_config(model_dir, tmp_path / "run", total_steps=1, checkpoint_every=0,
+                           reward="examples.tool_agent.task:episode_reward",
+                           workflow={"kind": "tool_calls", "url": service.url},
+                           **{"gconfig.max_new_tokens": 8, "eval.every": 0})
+        assert Trainer(cfg).train().steps == 1
+        assert service.proc.poll() is None
+    assert "tools/calls" in [m for m in metrics(tmp_path / "run") if "reward/mean" in m][0]
+
+
 @pytest.mark.parametrize("mode", ["workflow", "proxy"])
 def test_many_episodes_waiting_on_the_tool_lose_and_duplicate_nothing(tokenizer, model_dir, mode):
     """benchmarks/load_tools.py at a small scale (its record holds 512 in flight for 10
