@@ -183,8 +183,9 @@ def resolve_base_model(cfg: TrainRunConfig, console: Console) -> Path:
 
     rl = (f"{cfg.max_train_seconds / 60:.0f} min of RL training"
           if cfg.max_train_seconds is not None else f"{cfg.total_steps} RL steps")
-    every = [f"{cfg.eval.every} steps"] * bool(cfg.eval.every) + \
-        [f"{cfg.eval.every_s:g} s"] * (cfg.eval.every_s is not None)
+    every = [f"{cfg.eval.every} steps"] if cfg.eval.every else []
+    if cfg.eval.every_s is not None:
+        every.append(f"{cfg.eval.every_s:g} s")
     extra = f", plus evaluations every {' or '.join(every)}" if every else ""
     return Path(run_sft_job(cfg.warm_start, console, then=(rl + extra,
                                                           cfg.max_train_seconds)).model_dir)
