@@ -168,6 +168,9 @@ def test_schemas_must_name_the_served_tools():
         cfg.workflow.build(ctx)
     with pytest.raises(ConfigError, match="max_tool_calls"):
         TrainRunConfig.from_dict({"workflow": {"kind": "tool_calls", "max_tool_calls": 0}})
+    with pytest.raises(ConfigError, match="eval_service_time=false needs the job's own"):
+        TrainRunConfig.from_dict({"workflow": {"kind": "tool_calls", "url": "http://x:1",
+                                               "eval_service_time": False}})
 
 
 def service_processes() -> list[int]:
@@ -189,16 +192,17 @@ def service_processes() -> list[int]:
 def test_the_job_starts_the_service_trains_and_stops_it(model_dir, tmp_path):
     """2 steps of `asyncrl train` with workflow.kind=tool_calls on the tiny (untrained) model: the
     job starts the tool service (with injected failures), logs the tool metrics every step and
-    stops the service at the end."""
+    stops the service at the end; its evaluations pause the training episodes and call the
+    service undelayed (eval.pause_rollouts, workflow.eval_service_time=false)."""
     from asyncrl import Trainer
     from tests.test_train_loop import metrics, small_config
 
     before = set(service_processes())
     cfg = small_config(model_dir, tmp_path / "run", total_steps=2, reward=
                        "examples.tool_agent.task:episode_reward",
-                       workflow={"kind": "tool_calls", "service": {
+                       workflow={"kind": "tool_calls", "eval_service_time": False, "service": {
                            "median_s": 0.01, "error_rate": 0.2, "seed": 3}},
-                       **{"gconfig.max_new_tokens": 16})
+                       **{"gconfig.max_new_tokens": 16, "eval.pause_rollouts": True})
     result = Trainer(cfg).train()
     assert result.steps == 2
     steps = [m for m in metrics(tmp_path / "run") if "reward/mean" in m]

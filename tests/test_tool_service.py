@@ -78,6 +78,34 @@ def test_failures_reach_the_caller_as_tool_replies():
     assert gone.error == ToolError.UNREACHABLE and "unreachable" in gone.text
 
 
+def test_an_undelayed_call_is_answered_at_once_without_failures():
+    """A client made with undelayed=True (what a job's evaluations use with
+    workflow.eval_service_time=false) is answered at once and never fails on purpose; the
+    service's own times and failures still apply to everyone else."""
+    cfg = ToolServiceConfig(median_s=60.0, error_rate=0.5, hang_rate=0.0, client_timeout_s=0.5)
+
+    async def go(service):
+        fast, slow = service.client(undelayed=True), service.client()
+        try:
+            answers = await asyncio.gather(*(fast.call("calc", {"expr": f"{i}+1"})
+                                             for i in range(20)))
+            waited = await slow.call("calc", {"expr": "1+1"})
+        finally:
+            await fast.aclose()
+            await slow.aclose()
+        return answers, waited
+
+    with ToolServiceProcess(cfg) as service:
+        answers, waited = asyncio.run(go(service))
+        import httpx
+
+        stats = httpx.get(f"{service.url}/stats").json()
+    assert [a.text for a in answers] == [str(i + 1) for i in range(20)]
+    assert all(a.error is None and a.seconds < 30 for a in answers)
+    assert waited.error == ToolError.TIMEOUT
+    assert stats["calls"]["undelayed"] == 20
+
+
 def test_the_service_exits_with_the_process_that_started_it(tmp_path):
     """A job killed outright (SIGKILL: no cleanup runs) leaves no tool service behind."""
     import os

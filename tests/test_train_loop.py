@@ -306,3 +306,27 @@ def test_evaluations_every_so_many_training_seconds(model_dir, tmp_path):
                        **{"eval.every": 0, "eval.every_s": 1e6})
     result = Trainer(cfg).train(reward=digit_reward)
     assert [step for step, _, _ in result.evals] == [0, 3]  # the start's and the end's
+
+
+def test_evaluations_can_pause_the_training_episodes(model_dir, tmp_path, monkeypatch):
+    """eval.pause_rollouts: while an evaluation runs no training episode is in flight and none
+    starts (the executor is suspended and paused); after it they continue, and the run trains
+    on (nothing lost: every step gets its batch)."""
+    from asyncrl.launch import train_loop
+
+    seen = []
+    real = train_loop.bounded
+
+    def spy(executor, coro, limit, what, setting):
+        if what == "the evaluation":
+            seen.append((len(executor._tasks), executor.paused))
+        return real(executor, coro, limit, what, setting)
+
+    monkeypatch.setattr(train_loop, "bounded", spy)
+    cfg = small_config(model_dir, tmp_path / "run", total_steps=3, checkpoint_every=0,
+                       **{"eval.every": 1, "eval.pause_rollouts": True,
+                          "rollout.max_head_offpolicyness": 2})
+    result = Trainer(cfg).train(reward=digit_reward)
+    assert [step for step, _, _ in result.evals] == [0, 1, 2, 3]
+    assert seen == [(0, True)] * 4
+    assert result.steps == 3 and result.stopped_by == "total_steps"

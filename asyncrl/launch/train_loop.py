@@ -287,9 +287,16 @@ class TrainLoop:
         p = self.parts
         self._evaluated_at = self.state.step
         t0 = time.perf_counter()
-        report = bounded(p.executor, p.evaluator.aevaluate(p.engines.engine, self.ctx.eval_rows),
-                         self.cfg.watchdog.eval_timeout_s, "the evaluation",
-                         "watchdog.eval_timeout_s")
+        held = self._suspend_rollouts() if self.cfg.eval.pause_rollouts else None
+        try:
+            report = bounded(p.executor,
+                             p.evaluator.aevaluate(p.engines.engine, self.ctx.eval_rows),
+                             self.cfg.watchdog.eval_timeout_s, "the evaluation",
+                             "watchdog.eval_timeout_s")
+        finally:
+            if held is not None:
+                p.executor.restore(held)
+                p.executor.resume()
         metrics, acc = dict(report.metrics), report.score
         step = self.state.step
         self.result.evals.append((step, self.state.train_seconds, acc))
@@ -306,6 +313,15 @@ class TrainLoop:
                       f"{len(self.ctx.eval_rows)} held-out problems", metric=report.name,
                       score=acc)
         return metrics
+
+    def _suspend_rollouts(self) -> Any:
+        """eval.pause_rollouts: the training episodes in flight, taken out for the evaluation
+        (their generations interrupted and journaled; one still waiting after a second, on a
+        tool, is restarted from its row); the engines serve the evaluation meanwhile."""
+        p = self.parts
+        snap = p.executor.suspend(p.engines.interrupt, timeout=1.0)
+        p.engines.resume()
+        return snap
 
     def _save_grid(self, report: Any, initial: bool) -> None:
         """The eval rows with images, drawn with the model's answers (launch/eval_grid.py)."""

@@ -118,6 +118,17 @@ class ToolCallingWorkflowConfig(Config):
     max_tool_calls: int = pydantic.Field(1, ge=1)  # tool rounds per episode before the answer
     # with model.reasoning_parser set, the reward reads only the answer after the reasoning
     reward_sees_reasoning: bool = False
+    # false: the job's own service answers evaluations at once, without its service time or
+    # injected failures (they model training episodes' waits; a job's training clock leaves
+    # evaluations out); needs `url` unset
+    eval_service_time: bool = True
+
+    @pydantic.model_validator(mode="after")
+    def _own_service(self) -> ToolCallingWorkflowConfig:
+        if not self.eval_service_time and self.url is not None:
+            raise ValueError("workflow.eval_service_time=false needs the job's own tool service "
+                             "(workflow.url unset): a service at url keeps its own times")
+        return self
 
     def build(self, ctx: WorkflowContext) -> RolloutWorkflow:
         from asyncrl.rollout.group import GroupedWorkflow
@@ -143,7 +154,9 @@ class ToolCallingWorkflowConfig(Config):
         inner = ToolCallingWorkflow(reward_fn, ctx.gconfig, ctx.tokenizer, client, schemas,
                                     self.max_tool_calls, ctx.eval, ctx.chat, ctx.context_length,
                                     self.reward_sees_reasoning,
-                                    on_close=process.stop if process else None)
+                                    on_close=process.stop if process else None,
+                                    eval_client=None if self.eval_service_time or not process
+                                    else process.client(undelayed=True))
         n = ctx.gconfig.n_samples
         return GroupedWorkflow(inner, n) if n > 1 else inner
 

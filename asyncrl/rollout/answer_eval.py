@@ -37,6 +37,11 @@ class EvalConfig(Config):
     # training seconds between evals, checked after each step (with `every`, whichever comes
     # first): equal time resolution for runs whose steps take different times; None: steps only
     every_s: float | None = pydantic.Field(None, gt=0)
+    # in a training job: suspend the training episodes in flight while an evaluation runs (as a
+    # checkpoint does: generations keep their tokens; an episode waiting on something else, a
+    # tool call, is restarted from its row), so the evaluation's time, which the training clock
+    # leaves out, gives the rollouts no progress either (timing studies: benchmarks/bench_async.py)
+    pause_rollouts: bool = False
     size: int = pydantic.Field(256, ge=1, description="held-out problems the train loop scores")
     pass_k: list[int] = pydantic.Field(default_factory=list,
                                        description="k values of pass@k; empty = greedy only")

@@ -86,11 +86,13 @@ class ToolCallingWorkflow:
                  client: ToolClient, schemas: list[dict[str, Any]] | None, max_tool_calls: int = 1,
                  eval_cfg: EvalConfig | None = None, chat: ChatOptions | None = None,
                  context_length: int | None = None, reward_sees_reasoning: bool = False,
-                 on_close: Any = None) -> None:
+                 on_close: Any = None, eval_client: ToolClient | None = None) -> None:
         """`client`: the tool service's; `schemas`: the OpenAI tool definitions the prompt shows
         (None: no tool list, for a policy trained to call its tools without one);
-        `on_close`: called by `aclose` (the job's service process stops there)."""
+        `on_close`: called by `aclose` (the job's service process stops there); `eval_client`:
+        the one evaluations call through (default `client`)."""
         self.reward_fn, self.tokenizer, self.client = reward_fn, tokenizer, client
+        self.eval_client = eval_client
         self.schemas, self.max_tool_calls = schemas, max_tool_calls
         self.chat = chat or ChatOptions()
         self.gconfig = stop_at_eos(gconfig.replace(n_samples=1), tokenizer)
@@ -108,7 +110,8 @@ class ToolCallingWorkflow:
         greedy = ToolCallingWorkflow(
             self.reward_fn, self.gconfig.replace(greedy=True, max_new_tokens=self.eval_cfg
                                                  .max_new_tokens or self.gconfig.max_new_tokens),
-            self.tokenizer, self.client, self.schemas, self.max_tool_calls, self.eval_cfg,
+            self.tokenizer, self.eval_client or self.client, self.schemas, self.max_tool_calls,
+            self.eval_cfg,
             self.chat, self.context_length, self.reward_sees_reasoning)
         gate = asyncio.Semaphore(self.eval_cfg.concurrency)
 
@@ -205,5 +208,7 @@ class ToolCallingWorkflow:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self.eval_client is not None:
+            await self.eval_client.aclose()
         if self._on_close is not None:
             self._on_close()

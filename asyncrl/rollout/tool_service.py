@@ -39,6 +39,10 @@ import pydantic
 from asyncrl.config import Config
 
 READY = "asyncrl tool service: listening on "
+# a request with this header set to "1" is answered at once and never fails on purpose: the
+# configured service time models training episodes' waits; an evaluation (whose time a training
+# job's clock leaves out) needs only the answer
+UNDELAYED = "x-asyncrl-undelayed"
 PR_SET_PDEATHSIG = 1  # prctl: a signal when the parent exits
 Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 
@@ -91,8 +95,9 @@ def resolve_tools(tools: dict[str, str]) -> dict[str, Callable[..., str]]:
 
 def create_tool_app(cfg: ToolServiceConfig, tools: dict[str, Callable[..., str]]) -> Any:
     """The FastAPI app: POST /tools/{name} (JSON object of arguments -> {"result": text}),
-    GET /health, GET /stats (calls by fate, observed service-time median and p99)."""
-    from fastapi import Body, FastAPI
+    GET /health, GET /stats (calls by fate, observed service-time median and p99). A call with
+    the UNDELAYED header is answered at once, without injected failures (counted apart)."""
+    from fastapi import Body, FastAPI, Header
     from fastapi.responses import JSONResponse
 
     app = FastAPI(title="asyncrl tool service")
@@ -102,19 +107,23 @@ def create_tool_app(cfg: ToolServiceConfig, tools: dict[str, Callable[..., str]]
     seconds: collections.deque[float] = collections.deque(maxlen=100_000)
 
     @app.post("/tools/{name}")
-    async def call(name: str, arguments: dict[str, Any] = Body(...)) -> Any:
+    async def call(name: str, arguments: dict[str, Any] = Body(...),
+                   undelayed: str | None = Header(None, alias=UNDELAYED)) -> Any:
         if name not in tools:
             counts["unknown_tool"] += 1
             return JSONResponse({"error": f"unknown tool {name!r}; allowed: {sorted(tools)}"},
                                 status_code=404)
-        wait, u = latency.draw(), fates.random()
-        fate = (Fate.ERROR if u < cfg.error_rate else
-                Fate.HANG if u < cfg.error_rate + cfg.hang_rate else Fate.ANSWER)
-        counts[fate.value] += 1
-        await asyncio.sleep(cfg.hang_s if fate == Fate.HANG else wait)
-        seconds.append(cfg.hang_s if fate == Fate.HANG else wait)
-        if fate == Fate.ERROR:
-            return JSONResponse({"error": "injected failure"}, status_code=503)
+        if undelayed == "1":
+            counts["undelayed"] += 1
+        else:
+            wait, u = latency.draw(), fates.random()
+            fate = (Fate.ERROR if u < cfg.error_rate else
+                    Fate.HANG if u < cfg.error_rate + cfg.hang_rate else Fate.ANSWER)
+            counts[fate.value] += 1
+            await asyncio.sleep(cfg.hang_s if fate == Fate.HANG else wait)
+            seconds.append(cfg.hang_s if fate == Fate.HANG else wait)
+            if fate == Fate.ERROR:
+                return JSONResponse({"error": "injected failure"}, status_code=503)
         try:
             result = tools[name](**arguments)
         except TypeError as err:  # arguments the function does not take
@@ -153,12 +162,14 @@ class ToolReply:
 class ToolClient:
     """Calls a tool service; failures come back as replies the policy can read."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, undelayed: bool = False) -> None:
+        """`undelayed`: ask the service (this module's) to answer at once (UNDELAYED)."""
         import httpx
 
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self.http = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=64))
+        self.http = httpx.AsyncClient(
+            timeout=timeout_s, headers={UNDELAYED: "1"} if undelayed else None,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolReply:
         import httpx
@@ -209,8 +220,8 @@ class ToolServiceProcess:
             raise RuntimeError(f"the tool service did not start: {err.strip()[-2000:]}")
         self.url = line[len(READY):].strip()
 
-    def client(self) -> ToolClient:
-        return ToolClient(self.url, self.cfg.client_timeout_s)
+    def client(self, undelayed: bool = False) -> ToolClient:
+        return ToolClient(self.url, self.cfg.client_timeout_s, undelayed)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
