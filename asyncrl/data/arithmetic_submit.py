@@ -13,7 +13,8 @@ The prompt shows no tool list: the tiny model's arithmetic is tied to the positi
 it at (a tool list before the question took its sampled accuracy from 37% to 1.5%), so the
 layout before the answer is the main job's and the demonstrations teach the call. Rows hold
 `messages` and `answer` (RL prompts), `tool_context`, and a demonstration `conversation` that SFT
-trains on instead; as in the main job, `label_noise` of the demonstrated answers are one too many.
+trains on instead; as in the main job, `label_noise` of the training rows' demonstrated answers are
+one too many (the held-out rows' are right).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class ArithmeticSubmitTask:
                                                    num_eval=cfg.num_eval, seed=cfg.seed))
         rng = random.Random(cfg.seed + 1)
         self._train = [self._row(r, rng) for r in base.train_rows()]
-        self._eval = [self._row(r, rng) for r in base.eval_rows()]
+        # held-out demonstrations are right: an SFT eval scores the reply against them
+        self._eval = [self._row(r, rng, noise=0.0) for r in base.eval_rows()]
 
     def train_rows(self) -> list[Row]:
         return list(self._train)
@@ -83,9 +85,10 @@ class ArithmeticSubmitTask:
     def eval_rows(self) -> list[Row]:
         return list(self._eval)
 
-    def _row(self, row: Row, rng: random.Random) -> Row:
+    def _row(self, row: Row, rng: random.Random, noise: float | None = None) -> Row:
         value = int(row["answer"])
-        shown = value + 1 if rng.random() < self.cfg.label_noise else value
+        noise = self.cfg.label_noise if noise is None else noise
+        shown = value + 1 if rng.random() < noise else value
         conversation = [*row["messages"],
                         {"role": "assistant", "content": str(shown), "tool_calls": [CALL]},
                         {"role": "tool", "tool_call_id": "call_0",
