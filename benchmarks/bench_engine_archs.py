@@ -2,9 +2,10 @@
 transformers `generate`, in one run.
 
 Each architecture the built-in engine serves natively (Qwen2, Qwen3, Llama 3.x with its RoPE
-scaling, Gemma 3 with sliding-window and global layers, Mistral with a sliding window) is built
-at the tiny default's shape (hidden 256, 8 layers, 4 query / 2 KV heads of 64 dims, MLP 768,
-vocabulary 320, fp32, seeded random weights) from transformers' own config class. The same random
+scaling, Gemma 3 with sliding-window and global layers, Mistral with a sliding window, and the
+mixture-of-experts Qwen3-MoE and Mixtral with 4 experts of MLP 384, top 2) is built at the tiny
+default's shape (hidden 256, 8 layers, 4 query / 2 KV heads of 64 dims, MLP 768, vocabulary 320,
+fp32, seeded random weights) from transformers' own config class. The same random
 32-token prompts go through three sides, each generating exactly --new-tokens per sequence
 (EOS ignored, T = 1 sampling): `native` (inference.engine.backend native: the compact decoder and
 its KV cache), `fallback` (backend hf: what an architecture the decoder does not implement gets,
@@ -47,6 +48,12 @@ ARCHS = {
     "gemma3": lambda: transformers.Gemma3TextConfig(
         **SHAPE, head_dim=64, query_pre_attn_scalar=64, sliding_window=32, sliding_window_pattern=2),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, head_dim=64, sliding_window=32),
+    # 4 experts of MLP 384, top 2: the dense models' active MLP width
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE, head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=384),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **{**SHAPE, "intermediate_size": 384}, head_dim=64, num_local_experts=4,
+        num_experts_per_tok=2),
 }
 
 

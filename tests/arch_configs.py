@@ -4,6 +4,7 @@ transformers' own config classes (tests/test_engine_archs.py, tests/integration/
 
 from __future__ import annotations
 
+import torch
 import transformers
 
 VOCAB = 320  # the tiny byte tokenizer's 261 ids, padded
@@ -27,6 +28,12 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
                 "full_attention": {"rope_type": "linear", "factor": 2.0,
                                    "rope_theta": 1000000.0}}),
         "mistral": transformers.MistralConfig(**SMALL, head_dim=32, sliding_window=8),
+        # mixture of experts: 4 experts, top 2; Qwen3-MoE's middle layer dense
+        "qwen3-moe": transformers.Qwen3MoeConfig(
+            **SMALL, head_dim=32, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=True),
+        "mixtral": transformers.MixtralConfig(**{**SMALL, "intermediate_size": 64}, head_dim=32,
+                                              num_local_experts=4, num_experts_per_tok=2),
         "qwen2-sliding": transformers.Qwen2Config(**SMALL, use_sliding_window=True,
                                                   sliding_window=8, max_window_layers=1),
         "llama-linear": transformers.LlamaConfig(
@@ -47,3 +54,31 @@ def configs() -> dict[str, transformers.PretrainedConfig]:
 
 
 CONFIGS = configs()
+
+
+def build_instances(names, tmp_path_factory) -> dict:
+    """{name: (model dir, transformers model)}: the `names` instances, seeded by their place in
+    `names`, saved with the tiny byte tokenizer (a module-scoped fixture's body)."""
+    from asyncrl.models.tokenizer import build_byte_tokenizer, save_tokenizer
+
+    out = {}
+    for i, name in enumerate(names):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        save_tokenizer(build_byte_tokenizer(), path)
+        out[name] = (path, model)
+    return out
+
+
+def three_step_job(path, run_dir) -> list[str]:
+    """Overrides of a 3-step `asyncrl train` of the model at `path` on the CPU (digits reward,
+    groups of 4, 6 new tokens, no evals or checkpoints)."""
+    return [f"model.path={path}", f"output_dir={run_dir}", "total_steps=3",
+            "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
+            "rollout.batch_size=2", "rollout.max_concurrent_rollouts=8", "reward=digits",
+            "filter_uniform_groups=false", "eval.every=0", "checkpoint_every=0",
+            "logging.tensorboard=false", "inference.engine.max_seq_len=64",
+            "inference.engine.device=cpu", "train.device=cpu", "data.num_train=16",
+            "data.num_eval=8"]

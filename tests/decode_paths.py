@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from arch_configs import CONFIGS
+from arch_configs import build_instances
 
 from asyncrl.api import GenerationConfig, ModelRequest
 from asyncrl.inference.engine import LLMEngine
-from asyncrl.models.tokenizer import build_byte_tokenizer, save_tokenizer
 
 ARCHS = ["qwen3", "gemma3", "mistral", "llama3"]
 if int(transformers.__version__.split(".")[0]) < 5:
@@ -23,15 +22,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """{name: (model dir, transformers model)}."""
-    out = {}
-    for i, name in enumerate(ARCHS):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]).eval()
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        save_tokenizer(build_byte_tokenizer(), path)
-        out[name] = (path, model)
-    return out
+    return build_instances(ARCHS, tmp_path_factory)
 
 
 def drive(eng: LLMEngine, model, stop_tokens: bool = False) -> dict:

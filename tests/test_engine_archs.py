@@ -1,6 +1,6 @@
 """The built-in engine's own decoder on the architectures people train: Qwen3, Llama 3.x, Gemma 3,
-Mistral's sliding window, Qwen2's sliding-window layers, and every RoPE scaling transformers ships
-for them. Each is a tiny random instance built from transformers' own config class; the engine's
+Mistral's sliding window, Qwen2's sliding-window layers, every RoPE scaling transformers ships
+for them, and the mixture-of-experts Qwen3-MoE (sparse and dense layers) and Mixtral. Each is a tiny random instance built from transformers' own config class; the engine's
 logprobs must equal transformers' full forward within 1e-4 (fp32, CPU) for prompts of mixed
 lengths (longer than the sliding windows), on the C++ kernels and on the torch path, before and
 after a weight update that lands mid-generation; and the trainer trains each main architecture
@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 import transformers
-from arch_configs import CONFIGS, VOCAB
+from arch_configs import CONFIGS, VOCAB, build_instances, three_step_job
 
 from asyncrl import Trainer
 from asyncrl.api import GenerationConfig, ModelRequest
@@ -27,7 +27,6 @@ from asyncrl.inference.model_runner import (
     read_hf_config,
 )
 from asyncrl.launch.train_config import TrainRunConfig
-from asyncrl.models.tokenizer import build_byte_tokenizer, save_tokenizer
 
 OLD_TRANSFORMERS = int(transformers.__version__.split(".")[0]) < 5
 GEMMA_SKIP = pytest.mark.skipif(OLD_TRANSFORMERS, reason="the native decoder reads Gemma 3 with "
@@ -38,7 +37,7 @@ def params(names):
     return [pytest.param(n, marks=GEMMA_SKIP) if n == "gemma3" else n for n in names]
 
 
-MAIN = ["qwen3", "llama3", "gemma3", "mistral"]
+MAIN = ["qwen3", "llama3", "gemma3", "mistral", "qwen3-moe", "mixtral"]
 MAX_SEQ_LEN = 64  # within the dynamic and longrope thresholds
 LENGTHS = [3, 11, 25, 6]  # around and past the windows of 8
 
@@ -46,15 +45,7 @@ LENGTHS = [3, 11, 25, 6]  # around and past the windows of 8
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """{name: (model dir, transformers model)}: weights saved with the tiny byte tokenizer."""
-    out = {}
-    for i, (name, cfg) in enumerate(CONFIGS.items()):
-        torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        save_tokenizer(build_byte_tokenizer(), path)
-        out[name] = (path, model)
-    return out
+    return build_instances(list(CONFIGS), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +130,8 @@ def test_a_weight_update_mid_generation_splits_versions_exactly(name, built, pro
 @pytest.mark.parametrize("name", params(MAIN))
 def test_the_trainer_trains_it_with_the_native_engine(name, built, tmp_path):
     path, _ = built[name]
-    cfg = TrainRunConfig.load(None, [
-        f"model.path={path}", f"output_dir={tmp_path / 'run'}", "total_steps=3",
-        "max_train_seconds=null", "gconfig.n_samples=4", "gconfig.max_new_tokens=6",
-        "rollout.batch_size=2", "rollout.max_concurrent_rollouts=8", "reward=digits",
-        "filter_uniform_groups=false", "eval.every=0", "checkpoint_every=0",
-        "logging.tensorboard=false", "inference.engine.backend=native",
-        "inference.engine.max_seq_len=64", "inference.engine.device=cpu", "train.device=cpu",
-        "data.num_train=16", "data.num_eval=8"])
+    cfg = TrainRunConfig.load(None, [*three_step_job(path, tmp_path / "run"),
+                                     "inference.engine.backend=native"])
     result = Trainer(cfg).train()
     assert result.steps == 3
 

@@ -143,6 +143,25 @@ def test_concat_export_masks_every_turn_of_each_leaf():
     assert s_d.input_ids == [1, 2, 3, 4, 30, 8] and s_d.loss_mask == [0, 0, 1, 1, 0, 1]
 
 
+def test_both_exports_carry_the_engines_routes():
+    """A mixture-of-experts engine's routes (prompt + output of each completion) reach the
+    samples: each completion's own, and a conversation the routes of its last turn."""
+    import dataclasses
+
+    import numpy as np
+
+    def routed(rec):
+        n = len(rec.prompt_ids) + len(rec.output_ids)
+        return dataclasses.replace(rec, routes=np.arange(n * 2, dtype=np.int16).reshape(n, 1, 2))
+
+    a = routed(_rec("a", 0, [1, 2], [3, 4]))
+    b = routed(_rec("b", 1, [1, 2, 3, 4, 20], [5], parent="a"))
+    (one,) = export_concat([a, b], {"a": 0.0, "b": 1.0}, {"a": 1.0, "b": 1.0})
+    assert np.array_equal(one.routes, b.routes) and len(one.routes) == len(one.input_ids)
+    first, second = export_individual([a, b], {"a": 1.0, "b": 1.0})
+    assert np.array_equal(first.routes, a.routes) and np.array_equal(second.routes, b.routes)
+
+
 def test_concat_rejects_a_parent_that_is_not_a_prefix():
     a = _rec("a", 0, [1], [2])
     b = _rec("b", 1, [1, 9, 3], [4], parent="a")

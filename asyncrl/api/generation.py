@@ -98,6 +98,9 @@ class ModelResponse:
     latency: float = 0.0  # seconds from submission to the last token
     ttft: float = 0.0  # seconds from submission to the first token
     rid: str = ""
+    # a mixture-of-experts engine recording routes (models/routes.py): int16 array
+    # [input_len + output_len, sparse layers, top_k], the experts each token was routed to
+    routes: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.output_tokens)
@@ -107,6 +110,9 @@ class ModelResponse:
                 f"output_tokens={n}, output_logprobs={len(self.output_logprobs)}, "
                 f"output_versions={len(self.output_versions)}"
             )
+        if self.routes is not None and len(self.routes) != len(self.input_tokens) + n:
+            raise ValueError(f"ModelResponse routes cover {len(self.routes)} tokens; expected "
+                             f"input + output = {len(self.input_tokens) + n}")
 
     @property
     def input_len(self) -> int:

@@ -39,6 +39,10 @@ class Sample:
     stop_reason: StopReason = StopReason.STOP
     metadata: dict[str, Any] = field(default_factory=dict)
     images: ImageInputs | None = None  # the prompt's images (their pads are in input_ids)
+    # a mixture-of-experts policy's routes (models/routes.py): int16 array [len(input_ids),
+    # sparse layers, top_k], the experts the engine routed each token to (-1: not recorded);
+    # the trainer replays them under actor.moe.routing_replay
+    routes: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -49,6 +53,8 @@ class Sample:
         }
         if self.token_rewards is not None:
             lens["token_rewards"] = len(self.token_rewards)
+        if self.routes is not None:
+            lens["routes"] = len(self.routes)
         bad = {k: v for k, v in lens.items() if v != n}
         if bad:
             raise ValueError(f"Sample fields must match len(input_ids)={n}; got {bad}")
@@ -69,7 +75,9 @@ class Sample:
         reward: float = 0.0,
         stop_reason: StopReason = StopReason.STOP,
         metadata: dict[str, Any] | None = None,
+        routes: Any = None,
     ) -> Sample:
+        """`routes`: the response's (ModelResponse.routes), covering prompt and output."""
         p = len(prompt_ids)
         return cls(
             input_ids=list(prompt_ids) + list(output_ids),
@@ -79,6 +87,7 @@ class Sample:
             reward=reward,
             stop_reason=stop_reason,
             metadata=dict(metadata or {}),
+            routes=routes,
         )
 
     @property

@@ -46,6 +46,11 @@ class EngineSettings(Config):
     # asynchronous (on a CPU a step's work is done when it returns: nothing to overlap).
     overlap_steps: bool | None = None
     seed: int = 0  # sampling noise of requests without their own seed
+    # a mixture-of-experts model served natively: every response carries the experts each
+    # sparse layer chose for each of its tokens (ModelResponse.routes), for rollout routing
+    # replay and the route monitor (a job sets it for a mixture-of-experts policy in process);
+    # refused for a dense model. Decode steps are not overlapped while it is on.
+    record_routes: bool = False
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
     # Threads of the C++ kernels, set for the engine thread only (a trainer in the same process
     # keeps its own count); torch ops use the process-wide count, which `asyncrl serve` sets to

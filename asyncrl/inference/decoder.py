@@ -1,5 +1,5 @@
-"""The compact decoder: Llama, Mistral, Qwen2/3 and Gemma 3 layers reading and writing the
-engine's preallocated KV cache.
+"""The compact decoder: Llama, Mistral, Qwen2/3, Gemma 3, Qwen3-MoE and Mixtral layers reading and
+writing the engine's preallocated KV cache.
 
 Weights load by their Hugging Face names straight from safetensors (no transformers model object):
 q/k/v projections are fused into one matrix and gate/up into another, so a decode step over the
@@ -23,6 +23,12 @@ batched matmul over `cache[:n, :, :T]` as a view with positions past each sequen
 before its window) masked. Every tensor the model allocates names its device (the one passed in,
 or its inputs'), so the same code runs on CPU and CUDA.
 
+A mixture-of-experts layer (`_moe`) routes each row to its top-k experts, then runs each expert
+once over the rows that chose it (rows sorted by expert: one gather, two matmuls and one
+index_add per expert hit, no per-token loop); `routes` collects the experts every sparse layer
+chose for every row. Its expert weights are stored `[experts, ...]` as transformers 5 holds them
+and load from either spelling (`weight_names.expert_weights`).
+
 The cache layout is `[num_layers, 2 (k/v), num_slots, num_kv_heads, max_seq_len, head_dim]`.
 """
 
@@ -43,6 +49,7 @@ from asyncrl.inference.linear import (
     make_fast_matmuls,
 )
 from asyncrl.inference.rope_tables import DEFAULT_KIND, cos_sin
+from asyncrl.models.weight_names import expert_weights
 
 
 def check_device(device: torch.device, tensors: Iterable[torch.Tensor]) -> None:
@@ -65,6 +72,9 @@ class _Layer:
     k_norm: torch.Tensor | None = None
     post_attn: torch.Tensor | None = None  # Gemma 3: after the attention, before the residual
     post_mlp: torch.Tensor | None = None  # Gemma 3: after the MLP, before the residual
+    router_w: torch.Tensor | None = None  # [E, D]: a mixture-of-experts layer's router
+    experts_gate_up: torch.Tensor | None = None  # [E, 2 * I, D]: gate, up stacked per expert
+    experts_down: torch.Tensor | None = None  # [E, D, I]
 
 
 @dataclass
@@ -79,24 +89,37 @@ class _Ctx:
     positions: torch.Tensor | None = None  # kernels: position of each row's token
     kv_rows: torch.Tensor | None = None  # decode, torch path: rows of the flat layer cache
     masks: dict[int, torch.Tensor] | None = None  # torch path: by window (0: none), additive
+    routes: list[torch.Tensor] | None = None  # collects each sparse layer's [rows, k] experts
 
 
 class DecoderModel:
     def __init__(
         self, args: DecoderArgs, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu", rows_hint: int = 64, fast_matmuls: bool = True,
-        cpu_kernels: bool = True, max_seq_len: int | None = None,
+        cpu_kernels: bool = True, max_seq_len: int | None = None, record_routes: bool = False,
     ) -> None:
+        """`record_routes`: each forward leaves the experts its sparse layers chose for every
+        row in `last_routes` ([rows, sparse layers, top_k], rows as the forward's input; rollout
+        routing replay)."""
         self.args, self.dtype, self.device = args, dtype, torch.device(device)
         on_cpu = self.device.type == "cpu"
         # The C++ kernels and the prepacked matmuls read host memory: CPU only.
-        self.rows_hint, self.use_fast = rows_hint, fast_matmuls and on_cpu
+        # (the prepacked layouts are per dense MLP: a mixture-of-experts model runs plain matmuls)
+        self.rows_hint, self.use_fast = rows_hint, fast_matmuls and on_cpu and args.moe is None
         a = args
         d, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
         self.q_dim, self.kv_dim = a.num_heads * hd, a.num_kv_heads * hd
+        sparse = a.moe.sparse if a.moe is not None else (False,) * a.num_layers
 
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        def experts(i: int) -> dict[str, torch.Tensor]:
+            if not sparse[i]:
+                return {"gate_up_w": empty(2 * inter, d), "down_w": empty(d, inter)}
+            e, mi = a.moe.num_experts, a.moe.intermediate_size
+            return {"gate_up_w": empty(0, d), "down_w": empty(d, 0), "router_w": empty(e, d),
+                    "experts_gate_up": empty(e, 2 * mi, d), "experts_down": empty(e, d, mi)}
 
         self.embed = empty(a.vocab_size, d)
         self.lm_head = self.embed if a.tie_word_embeddings else empty(a.vocab_size, d)
@@ -108,14 +131,13 @@ class DecoderModel:
                 qkv_b=empty(self.q_dim + 2 * self.kv_dim) if a.attention_bias else None,
                 o_w=empty(d, self.q_dim),
                 ln2=empty(d),
-                gate_up_w=empty(2 * inter, d),
-                down_w=empty(d, inter),
                 q_norm=empty(hd) if a.qk_norm else None,
                 k_norm=empty(hd) if a.qk_norm else None,
                 post_attn=empty(d) if a.gemma else None,
                 post_mlp=empty(d) if a.gemma else None,
+                **experts(i),
             )
-            for _ in range(a.num_layers)
+            for i in range(a.num_layers)
         ]
         # Gemma scales the embeddings by sqrt(hidden) rounded to the weights' dtype
         self.embed_scale = (None if a.embed_scale is None
@@ -144,6 +166,8 @@ class DecoderModel:
         check_device(self.device, [*self._targets.values(),
                                    *(t for pair in self.rope.values() for t in pair)])
         self._plain = PlainMatmuls(self.layers, self.lm_head, a.activation)
+        self.record_routes = record_routes and args.moe is not None
+        self.last_routes: torch.Tensor | None = None
         self._fast: Matmuls | None = None  # built from real weights in load_weights
         # Gemma's norms multiply by (1 + w): kept next to each weight as one fp32 tensor (so a
         # norm is one rms_norm call, the C++ kernel's on CPU), refreshed in place after every
@@ -205,9 +229,17 @@ class DecoderModel:
                 if w.qkv_b is not None:
                     m[p + f"self_attn.{name}_proj.bias"] = w.qkv_b[sl]
             m[p + "self_attn.o_proj.weight"] = w.o_w
-            m[p + "mlp.gate_proj.weight"] = w.gate_up_w[:inter]
-            m[p + "mlp.up_proj.weight"] = w.gate_up_w[inter:]
-            m[p + "mlp.down_proj.weight"] = w.down_w
+            if w.router_w is None:
+                m[p + "mlp.gate_proj.weight"] = w.gate_up_w[:inter]
+                m[p + "mlp.up_proj.weight"] = w.gate_up_w[inter:]
+                m[p + "mlp.down_proj.weight"] = w.down_w
+                continue
+            mi = self.args.moe.intermediate_size  # per expert, as checkpoints name them
+            m[p + "mlp.gate.weight"] = w.router_w
+            for e in range(self.args.moe.num_experts):
+                m[p + f"mlp.experts.{e}.gate_proj.weight"] = w.experts_gate_up[e, :mi]
+                m[p + f"mlp.experts.{e}.up_proj.weight"] = w.experts_gate_up[e, mi:]
+                m[p + f"mlp.experts.{e}.down_proj.weight"] = w.experts_down[e]
         return m
 
     @torch.inference_mode()
@@ -223,6 +255,8 @@ class DecoderModel:
         weights intact.
         """
         items = weights.items() if isinstance(weights, Mapping) else weights
+        if self.args.moe is not None:
+            items = expert_weights(items, self.args.moe.intermediate_size)
         pairs, seen = [], set()
         for name, tensor in items:
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
@@ -329,7 +363,8 @@ class DecoderModel:
         and MLP on those rows only (every row's K/V is already cached by then); for a prefill
         that skips about a tenth of the FLOPs."""
         mm = self._matmuls(x.shape[0])
-        last = len(self.layers) - 1
+        # recording routes: the last layer routes every row too (its experts are recorded)
+        last = len(self.layers) - 1 if c.routes is None else -1
         for i, w in enumerate(self.layers):
             qkv = mm.qkv(i, self._norm(x, w.ln1))
             if w.q_norm is not None:
@@ -337,13 +372,56 @@ class DecoderModel:
             a = attn(i, qkv, c)
             if keep is not None and i == last:
                 a, x = a[keep], x[keep]
-            if w.post_attn is None:
+            if w.router_w is not None:
+                x = mm.o_proj_add(i, a, x)
+                x = self._moe(w, self._norm(x, w.ln2), c) + x
+            elif w.post_attn is None:
                 x = mm.o_proj_add(i, a, x)
                 x = mm.mlp_add(i, self._norm(x, w.ln2), x)
             else:  # Gemma: each block's output is normed before it joins the residual
                 x = x + self._norm(mm.o_proj_add(i, a, None), w.post_attn)
                 x = x + self._norm(mm.mlp_add(i, self._norm(x, w.ln2), None), w.post_mlp)
+        if c.routes is not None:
+            self.last_routes = torch.stack(c.routes, 1) if c.routes else None
+            if keep is not None:
+                x = x[keep]
         return x
+
+    def _moe(self, w: _Layer, h: torch.Tensor, c: _Ctx) -> torch.Tensor:
+        """A sparse MLP on rows h [n, D]: route (fp32 softmax, top-k, renormalised when the
+        model says so; the weights rounded to h's dtype), then each chosen expert once over its
+        rows, its weighted output added into its rows in ascending expert order (as transformers
+        sums them)."""
+        moe = self.args.moe
+        probs = F.linear(h, w.router_w).float().softmax(-1)
+        top_w, top_i = probs.topk(moe.top_k, -1)
+        if moe.norm_topk_prob:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        if c.routes is not None:
+            c.routes.append(top_i)
+        top_w = top_w.to(h.dtype)
+        # (row, choice) pairs grouped by expert; the counts come to the host once per layer
+        flat = top_i.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
+        rows = order // moe.top_k
+        weights = top_w.reshape(-1)[order, None]
+        inputs = h[rows]
+        out = torch.zeros_like(h)
+        inter, start = moe.intermediate_size, 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            part = slice(start, start + count)
+            start += count
+            gate_up = F.linear(inputs[part], w.experts_gate_up[e])
+            act = self._plain.act(gate_up[:, :inter]) * gate_up[:, inter:]
+            out.index_add_(0, rows[part], F.linear(act, w.experts_down[e]) * weights[part])
+        return out
+
+    def _routes(self) -> list[torch.Tensor] | None:
+        """A list for the step's routes when they are recorded (`record_routes`)."""
+        return [] if self.record_routes else None
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         eps = self.args.rms_norm_eps
@@ -397,7 +475,7 @@ class DecoderModel:
         x = self.embed_tokens(tokens.reshape(-1)) if embeds is None else embeds
         last = torch.arange(n, device=tokens.device) * length + lengths - 1
         if rope is not None:
-            c = _Ctx(cache, {DEFAULT_KIND: rope}, n, length, slots=slots)
+            c = _Ctx(cache, {DEFAULT_KIND: rope}, n, length, slots=slots, routes=self._routes())
             return self._logits(self._layers(x, self._attn_prefill, c, last))
         if self._use_kernels(cache, tokens, lengths, slots):
             # Padding rows write K/V past their prompt's end: harmless, since decode overwrites
@@ -406,13 +484,14 @@ class DecoderModel:
                 cache, self.rope32, n * length, length,
                 slots=slots.long().repeat_interleave(length),
                 positions=torch.arange(length, device=tokens.device).repeat(n),
+                routes=self._routes(),
             )
             check_device(tokens.device, [c.slots, c.positions])  # read by the C side
             return self._logits(self._layers(x, self._attn_kernel, c, last))
         # [L, 1, hd] per kind, broadcast over rows and heads
         tables = {kind: (cos[:length, None], sin[:length, None])
                   for kind, (cos, sin) in self.rope.items()}
-        c = _Ctx(cache, tables, n, length, slots=slots)
+        c = _Ctx(cache, tables, n, length, slots=slots, routes=self._routes())
         return self._logits(self._layers(x, self._attn_prefill, c, last))
 
     @torch.inference_mode()
@@ -435,7 +514,8 @@ class DecoderModel:
                 # One C++ call for the whole step: the kernels below without per-op overhead.
                 return self._fast.forward(x, self.norm, cache, positions,
                                           self._model_dims(cache, rope_offset))
-            c = _Ctx(cache, self._kernel_rope(rope_offset), n, 0, positions=positions)
+            c = _Ctx(cache, self._kernel_rope(rope_offset), n, 0, positions=positions,
+                     routes=self._routes())
             return self._logits(self._layers(x, self._attn_kernel, c))
         ctx = self._decode_ctx(cache, positions, attend, positions + rope_offset)
         return self._logits(self._layers(x, self._attn_decode, ctx))
@@ -465,4 +545,5 @@ class DecoderModel:
         kv_rows = ((kv * slots + i) * kvh + head) * max_len + positions[:, None, None]
         rot = positions if rope_positions is None else rope_positions
         tables = {kind: (cos[rot, None], sin[rot, None]) for kind, (cos, sin) in self.rope.items()}
-        return _Ctx(cache, tables, n, t, kv_rows=kv_rows.reshape(-1), masks=masks)
+        return _Ctx(cache, tables, n, t, kv_rows=kv_rows.reshape(-1), masks=masks,
+                    routes=self._routes())

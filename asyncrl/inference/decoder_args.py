@@ -10,7 +10,13 @@ which each supported architecture turns on:
 - Qwen3: RMSNorm of each query and key head before RoPE;
 - Gemma 3 (text): (1 + w) RMSNorms computed in fp32, norms before and after both the attention
   and the MLP, embeddings scaled by sqrt(hidden), query_pre_attn_scalar, tanh-GELU, and
-  alternating sliding-window (local RoPE base) and global layers.
+  alternating sliding-window (local RoPE base) and global layers;
+- mixture-of-experts MLPs (`MoeArgs`): Qwen3-MoE (Qwen3's attention; sparse layers by
+  `decoder_sparse_step` and `mlp_only_layers`, the others dense; top-k probabilities renormalised
+  when `norm_topk_prob`) and Mixtral (Mistral's attention; every layer sparse, top-k
+  renormalised). Both route the same way (a linear router, softmax in fp32, top-k), the layout
+  most MoE checkpoints on the Hub share; models with shared experts or grouped routing
+  (Qwen2-MoE, DeepSeek) are not served natively.
 
 Every RoPE variant comes from transformers' own rotary module (rope_tables.py). `unsupported_reason`
 names the first thing a config asks for that the decoder does not do; the engine then falls back
@@ -39,6 +45,7 @@ class ArchFeatures:
     attention_bias: bool = False  # q/k/v projections have biases (Qwen2)
     qk_norm: bool = False  # RMSNorm of every query and key head before RoPE (Qwen3, Gemma 3)
     gemma: bool = False  # Gemma 3's norms, embedding scale, attention scale and activation
+    moe: bool = False  # mixture-of-experts MLPs (MoeArgs.from_config reads the layout)
     # the transformers major version whose config and rotary module the decoder reads it by
     # (Gemma 3's per-layer-type RoPE parameters arrived in 5)
     min_transformers: int = 4
@@ -50,8 +57,38 @@ ARCHITECTURES: dict[str, ArchFeatures] = {
     "Qwen2ForCausalLM": ArchFeatures(attention_bias=True),
     "Qwen3ForCausalLM": ArchFeatures(qk_norm=True),
     "Gemma3ForCausalLM": ArchFeatures(qk_norm=True, gemma=True, min_transformers=5),
+    "Qwen3MoeForCausalLM": ArchFeatures(qk_norm=True, moe=True),
+    "MixtralForCausalLM": ArchFeatures(moe=True),
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    """A mixture-of-experts MLP: a linear router over `num_experts` experts, softmax in fp32, the
+    `top_k` largest probabilities (renormalised to sum to 1 when `norm_topk_prob`) weight the
+    chosen experts' SwiGLU outputs. `sparse[i]`: layer i has experts (else a dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    sparse: tuple[bool, ...]
+
+    @classmethod
+    def from_config(cls, config: Any, num_layers: int) -> MoeArgs:
+        if config.model_type == "mixtral":  # every layer, always renormalised
+            return cls(config.num_local_experts, config.num_experts_per_tok,
+                       config.intermediate_size, True, (True,) * num_layers)
+        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or [])
+        return cls(config.num_experts, config.num_experts_per_tok,
+                   config.moe_intermediate_size, bool(config.norm_topk_prob),
+                   tuple(config.num_experts > 0 and i not in dense and (i + 1) % step == 0
+                         for i in range(num_layers)))
+
+    @property
+    def num_sparse(self) -> int:
+        return sum(self.sparse)
 
 
 @dataclass(frozen=True)
@@ -77,6 +114,7 @@ class DecoderArgs:
     embed_scale: float | None = None  # Gemma: sqrt(hidden), applied in the weights' dtype
     # a vision-language model's M-RoPE: rotary frequency dims per position stream (t, h, w)
     mrope_section: tuple[int, ...] | None = None
+    moe: MoeArgs | None = None  # mixture-of-experts layers; None: every MLP is dense
 
     @property
     def scale(self) -> float:
@@ -85,7 +123,7 @@ class DecoderArgs:
     @property
     def plain(self) -> bool:
         """A Llama/Qwen2 layer with one rope and no window: what the fused C++ decode step runs."""
-        return (not (self.qk_norm or self.gemma or any(self.windows))
+        return (not (self.qk_norm or self.gemma or any(self.windows) or self.moe)
                 and self.activation == "silu" and list(self.rope) == [DEFAULT_KIND]
                 and self.attn_scale == 0.0)
 
@@ -97,10 +135,14 @@ class DecoderArgs:
             norms
             + qkv * d + (qkv if self.attention_bias else 0)
             + d * self.num_heads * self.head_dim
-            + 3 * self.intermediate_size * d  # gate, up, down
         )
+        mlps = 3 * self.intermediate_size * d * self.num_layers  # gate, up, down
+        if self.moe is not None:  # a sparse layer: the router and every expert instead
+            m = self.moe
+            mlps += m.num_sparse * (m.num_experts * (d + 3 * m.intermediate_size * d)
+                                    - 3 * self.intermediate_size * d)
         embeds = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embeds + d
+        return self.num_layers * layer + mlps + embeds + d
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], max_seq_len: int | None = None
@@ -143,6 +185,7 @@ class DecoderArgs:
             attn_scale=config.query_pre_attn_scalar ** -0.5 if gemma else 0.0,
             embed_scale=config.hidden_size ** 0.5 if gemma else None,
             mrope_section=tuple(raw["mrope_section"]) if raw.get("mrope_section") else None,
+            moe=MoeArgs.from_config(config, num_layers) if features.moe else None,
         )
 
 

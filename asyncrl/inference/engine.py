@@ -22,6 +22,7 @@ their logprobs. The C++ kernels and prepacked matmuls are CPU-only; on CUDA the 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +41,13 @@ from asyncrl.inference.model_runner import (
     read_eos_ids,
     read_hf_config,
 )
+from asyncrl.models.routes import RouteRecord
 from asyncrl.inference.sampler import Sampler
 from asyncrl.inference.scheduler import Batch, Phase, Scheduler, Sequence, SeqStatus
 from asyncrl.models.device import resolve_device
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,8 +101,9 @@ class LLMEngine:
         self.runner = load_runner(
             config.model_path, config.backend, num_slots, self.max_seq_len, dtype, hf_config,
             self.device, config.fast_matmuls, config.cpu_kernels, config.trust_remote_code,
-            config.cuda_graphs,
+            config.cuda_graphs, config.record_routes,
         )
+        self.route_shape = self._route_shape(hf_config) if config.record_routes else None
         self.vocab_size = self.runner.vocab_size
         eos = [] if config.ignore_eos else read_eos_ids(config.model_path, hf_config)
         self.sampler = Sampler(eos, seed=config.seed, device=self.device)
@@ -109,9 +115,23 @@ class LLMEngine:
                    else config.overlap_steps)
         # overlapped steps need the native runner's device-side decode inputs (text models)
         self.overlap = overlap and hasattr(self.runner, "decode_pending") and getattr(
-            self.runner, "vision", None) is None
+            self.runner, "vision", None) is None and self.route_shape is None
         self._launched: _Launched | None = None  # the step in flight (overlap)
         self._finished: list[ModelResponse] = []  # requests it finished, not returned yet
+
+    def _route_shape(self, hf_config: dict) -> tuple[int, int] | None:
+        """(sparse layers, top_k) of the routes each response carries; None where the runner
+        cannot record them (the transformers fallback: said once). A dense model is refused."""
+        reason = unsupported_reason(hf_config, self.max_seq_len)
+        moe = None if reason else DecoderArgs.from_hf_config(hf_config, self.max_seq_len).moe
+        if moe is None and not reason:
+            raise ValueError("record_routes=True needs a mixture-of-experts model; "
+                             f"{self.config.model_path} has no sparse layer")
+        if not isinstance(self.runner, ModelRunner):
+            logger.warning("record_routes: the transformers fallback does not record routes "
+                           "(%s); responses carry none", reason or "backend hf")
+            return None
+        return moe.num_sparse, moe.top_k
 
     def _num_slots(self, hf_config: dict, dtype: torch.dtype) -> int:
         """KV cache slots: max_num_seqs, capped by kv_cache_bytes, or on CUDA by a share of the
@@ -180,7 +200,8 @@ class LLMEngine:
 
     def add_request(self, req: ModelRequest) -> None:
         self.validate(req)
-        seq = Sequence(req.rid, list(req.input_ids), req.gconfig, images=req.images)
+        seq = Sequence(req.rid, list(req.input_ids), req.gconfig, images=req.images,
+                       routes=RouteRecord(*self.route_shape) if self.route_shape else None)
         self._rids[req.rid] = seq
         self.scheduler.add(seq)
 
@@ -223,11 +244,27 @@ class LLMEngine:
         if batch is None:
             return out
         logits = self.runner.run(batch)
+        if self.route_shape is not None:
+            self._keep_routes(batch)
         if self.overlap and batch.phase == Phase.DECODE:
             self._launched = self._launch(batch.seqs, logits, 0)
             return out
         sampled = self.sampler(logits, batch.seqs)
         return out + self._postprocess(batch, sampled.tokens, sampled.logprobs, self.version)
+
+    def _keep_routes(self, batch: Batch) -> None:
+        """Each sequence's routes from the step just run: a prefill's for every token it
+        computed (replacing older ones), a decode's for the token it read."""
+        seqs = batch.seqs
+        if batch.phase == Phase.PREFILL:
+            width = max(q.num_tokens for q in seqs)
+            rows = self.runner.routes(len(seqs) * width)
+            for i, q in enumerate(seqs):
+                q.routes.write(0, rows[i * width:i * width + q.num_tokens])
+            return
+        rows = self.runner.routes(len(seqs))
+        for i, q in enumerate(seqs):
+            q.routes.write(q.num_tokens - 1, rows[i:i + 1])
 
     def _launch(self, seqs: list[Sequence], logits: torch.Tensor, pending: int) -> _Launched:
         tokens, logprobs = self.sampler.draw(logits, seqs, pending)
@@ -302,6 +339,7 @@ class LLMEngine:
                     latency=latency,
                     ttft=ttft,
                     rid=seq.rid,
+                    routes=None if seq.routes is None else seq.routes.routes(seq.num_tokens),
                 )
             )
         return out

@@ -1,11 +1,12 @@
 """Loads a model directory and runs one scheduled batch: Sequences in, last-position logits out.
 
-`ModelRunner` drives the compact decoder (`decoder.py`: Llama, Mistral, Qwen2/3, Gemma 3) over a
-preallocated KV cache and is the fast path. `HFModelRunner` is the fallback for architectures the
-compact decoder does not implement: it runs the transformers model over every sequence's full
-token list each step (no cache reuse), which is slow but exact for anything
-`AutoModelForCausalLM` loads; `load_runner` logs why and what it costs when it picks it. Both read the
-weights' HF names, so the trainer's state dict or safetensors directory updates either one.
+`ModelRunner` drives the compact decoder (`decoder.py`: Llama, Mistral, Qwen2/3, Gemma 3,
+Qwen3-MoE, Mixtral) over a preallocated KV cache and is the fast path. `HFModelRunner` is the
+fallback for architectures the compact decoder does not implement: it runs the transformers model
+over every sequence's full token list each step (no cache reuse), which is slow but exact for
+anything `AutoModelForCausalLM` loads; `load_runner` logs why and what it costs when it picks it.
+Both read the weights' HF names, so the trainer's state dict or safetensors directory updates
+either one.
 
 Both live on one device: each step builds its inputs on the host as Python lists and moves them
 with one copy per tensor; incoming weights (any device) are copied into the device's tensors.
@@ -50,6 +51,10 @@ class Runner(Protocol):
     def move_slots(self, moves: list[tuple[int, int]]) -> None: ...
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], strict: bool = True) -> None: ...
+
+    def routes(self, rows: int) -> Any:
+        """The expert choices of the last forward's first `rows` rows (models/routes.py's table), or
+        None: not recorded."""
 
     def check_images(self, input_ids: list[int], images: Any) -> None:
         """Raise ValueError unless this runner can serve this prompt with these images (None:
@@ -210,16 +215,17 @@ class ModelRunner:
         self, args: DecoderArgs, num_slots: int, max_seq_len: int, dtype: torch.dtype,
         device: torch.device | str = "cpu", fast_matmuls: bool = True, cpu_kernels: bool = True,
         vision: VisionTower | None = None, static_decode: bool | None = None,
-        cuda_graphs: bool = True,
+        cuda_graphs: bool = True, record_routes: bool = False,
     ) -> None:
         """`static_decode` (default: on CUDA): decode steps of bucketed shapes, replayed as CUDA
-        graphs with `cuda_graphs` (`StaticDecode`)."""
+        graphs with `cuda_graphs` (`StaticDecode`). `record_routes`: a mixture-of-experts model
+        keeps each forward's expert choices (`routes`)."""
         self.device = torch.device(device)
         self.vision = vision
         # The decode batch is at most num_slots rows: the packed weight layout is tuned for it.
         self.model = DecoderModel(
             args, dtype, self.device, rows_hint=num_slots, fast_matmuls=fast_matmuls,
-            cpu_kernels=cpu_kernels, max_seq_len=max_seq_len,
+            cpu_kernels=cpu_kernels, max_seq_len=max_seq_len, record_routes=record_routes,
         )
         self.vocab_size = args.vocab_size
         # Zeros, not empty: masked positions are still multiplied, and NaN garbage * 0 stays NaN.
@@ -229,8 +235,16 @@ class ModelRunner:
         )
         check_device(self.device, [self.cache])
         on = self.device.type == "cuda" if static_decode is None else static_decode
-        self.static = (StaticDecode(num_slots, max_seq_len, self.device, cuda_graphs)
-                       if on else None)
+        # a mixture-of-experts layer reads its per-expert row counts on the host: not capturable
+        self.static = (StaticDecode(num_slots, max_seq_len, self.device,
+                                    cuda_graphs and args.moe is None) if on else None)
+
+    def routes(self, rows: int) -> Any:
+        """The experts the last forward's first `rows` rows were routed to (int16 numpy
+        [rows, sparse layers, top_k]; a prefill's rows are its [n, L] padded prompts, flat), or
+        None when this runner records none."""
+        got = self.model.last_routes
+        return None if got is None else got[:rows].to("cpu", torch.int16).numpy()
 
     @staticmethod
     def bytes_per_slot(args: DecoderArgs, max_seq_len: int, dtype: torch.dtype) -> int:
@@ -392,6 +406,9 @@ class HFModelRunner:
         pass  # no cache
 
     @torch.inference_mode()
+    def routes(self, rows: int) -> None:
+        return None  # transformers' model does not hand its routing out
+
     def load_weights(self, weights, strict: bool = True) -> None:
         sd = dict(weights.items() if isinstance(weights, Mapping) else weights)
         params = dict(self.model.named_parameters())
@@ -410,6 +427,7 @@ def load_runner(
     path: str | Path, backend: str, num_slots: int, max_seq_len: int, dtype: torch.dtype,
     hf_config: Mapping, device: torch.device | str = "cpu", fast_matmuls: bool = True,
     cpu_kernels: bool = True, trust_remote_code: bool = False, cuda_graphs: bool = True,
+    record_routes: bool = False,
 ) -> Runner:
     """`backend`: "native" (compact decoder; NativeUnsupportedError if it cannot serve the
     model), "hf", or "auto" (native when it can, else the transformers fallback, logged)."""
@@ -429,7 +447,7 @@ def load_runner(
     vision = (VisionTower(str(path), hf_config, dtype, torch.device(device))
               if is_vlm_config(hf_config) else None)
     runner = ModelRunner(args, num_slots, max_seq_len, dtype, device, fast_matmuls, cpu_kernels,
-                         vision, cuda_graphs=cuda_graphs)
+                         vision, cuda_graphs=cuda_graphs, record_routes=record_routes)
     # Host-staged, then copied into the preallocated device tensors: `load_weights` holds every
     # tensor until all are checked, and staging on the GPU would double its peak memory.
     runner.load_weights(iter_safetensors(path))

@@ -61,6 +61,7 @@ class Sequence:
     sampler_state: Any = None  # the per-request torch.Generator, owned by the sampler
     images: Any = None  # the prompt's ImageInputs (a vision-language model's runner reads them)
     rope_delta: int = 0  # M-RoPE: rotary position - cache position past the prompt (runner's)
+    routes: Any = None  # routes.RouteRecord: the experts each token was routed to (engine's)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

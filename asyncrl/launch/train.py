@@ -37,6 +37,7 @@ from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.judge_engine import open_run_reward
 from asyncrl.models.chat import encode_chat_prompt
+from asyncrl.models.config import is_mixture_of_experts
 from asyncrl.models.tokenizer_check import check_chat_round_trip
 from asyncrl.reward.call import check_reward_call
 from asyncrl.launch.progress import TrainProgress
@@ -47,7 +48,7 @@ from asyncrl.launch.run_checkpoints import (LoopState, PolicyExport, RunCheckpoi
 from asyncrl.launch.run_events import EventKind, RunEvents
 from asyncrl.launch.run_logger import RunLogger
 from asyncrl.launch.step_samples import StepSamples
-from asyncrl.launch.train_config import CONFIG_FILE, TrainRunConfig
+from asyncrl.launch.train_config import CONFIG_FILE, InferenceLaunchConfig, TrainRunConfig
 from asyncrl.launch.train_loop import (LoopParts, RunContext, StopRequest, TrainLoop,
                                        TrainResult, bounded)
 from asyncrl.launch.trainer_group import TrainerGroup, parallelism
@@ -64,6 +65,7 @@ from asyncrl.train.engine import HFTrainEngine
 from asyncrl.train.heads import LogprobHead
 from asyncrl.train.parallel import Parallelism
 from asyncrl.train.ppo_actor import PPOActor
+from asyncrl.train.route_replay import Mode
 
 
 @dataclass(frozen=True)
@@ -216,7 +218,8 @@ def build_trainer(cfg: TrainRunConfig, base: Path, loss: PolicyLoss | None,
     trust, dtype = cfg.model.trust_remote_code, cfg.model.dtype
     head = LogprobHead(cfg.gconfig.temperature)  # the sampler's
     policy = HFTrainEngine.from_pretrained(base, cfg.train, dtype, trust, total_steps=steps,
-                                           head=head, lora=cfg.train.lora, parallel=parallel)
+                                           head=head, lora=cfg.train.lora, parallel=parallel,
+                                           routing=routing_mode(cfg, base))
     ref = None
     if cfg.actor.ppo.kl_coef > 0:  # the reference is the starting model, resumed or not
         ref = HFTrainEngine.from_pretrained(base, cfg.train, dtype, trust, head=head,
@@ -230,6 +233,33 @@ def build_trainer(cfg: TrainRunConfig, base: Path, loss: PolicyLoss | None,
     actor = PPOActor(policy, cfg.actor, ref, loss, critic, cfg.critic.value_eps_clip,
                      record_groups=cfg.logging.sample_groups)
     return TrainerGroup(policy, actor)
+
+
+def routing_mode(cfg: TrainRunConfig, base: Path) -> Mode | None:
+    """How the trainer treats a mixture-of-experts policy's routes: replayed (actor.moe.
+    routing_replay) or monitored; None for a dense model (refused with replay)."""
+    if not is_mixture_of_experts(base):
+        if cfg.actor.moe.routing_replay:
+            raise UserError(f"actor.moe.routing_replay=true needs a mixture-of-experts model; "
+                            f"{base} is dense (its config.json names no experts)")
+        return None
+    return Mode.REPLAY if cfg.actor.moe.routing_replay else Mode.OBSERVE
+
+
+def with_routes(cfg: TrainRunConfig, inference: InferenceLaunchConfig, base: Path,
+                console: Console) -> InferenceLaunchConfig:
+    """The rollout engines of a mixture-of-experts policy record its routes where they can (the
+    built-in engine in process); elsewhere the run says at start that it trains without them."""
+    if not is_mixture_of_experts(base):
+        return inference
+    if inference.mode == "inprocess":
+        engine = inference.engine.model_copy(update={"record_routes": True})
+        return inference.model_copy(update={"engine": engine})
+    if cfg.actor.moe.routing_replay:
+        console.print(f"[yellow]actor.moe.routing_replay: the rollout servers (inference.mode="
+                      f"{inference.mode!r}, backend {inference.backend.kind!r}) return no routes;"
+                      " training without replay (moe/unreplayed_tokens counts the tokens)")
+    return inference
 
 
 def checkpointer(job: TrainJob, group: TrainerGroup, tokenizer: Any, base: Path,
@@ -267,7 +297,8 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
         lora = lora_enabled(cfg.train.lora)
         vision = vision_encoder(base, cfg.model.trust_remote_code)
         engines = stack.enter_context(open_rollout_engines(
-            cfg.inference.trusting(cfg.model.trust_remote_code), base, job.run_dir / "logs",
+            with_routes(cfg, cfg.inference.trusting(cfg.model.trust_remote_code), base, console),
+            base, job.run_dir / "logs",
             cfg.launcher.build(), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             shard_size=cfg.checkpoint_shard_size,
             lora=LoraServing(cfg.train.lora.r, cfg.rollout.max_head_offpolicyness + 1)

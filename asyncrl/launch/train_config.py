@@ -220,6 +220,7 @@ class TrainRunConfig(Config):
     def _consistent(self) -> TrainRunConfig:
         self._check_lora()
         self._check_images()
+        self._check_routing_replay()
         if getattr(self.launcher, "server_cpus", None) and self.inference.mode != "local":
             raise ValueError(f"launcher.server_cpus places the servers of inference.mode='local';"
                              f" inference.mode={self.inference.mode!r} starts none")
@@ -255,6 +256,19 @@ class TrainRunConfig(Config):
                        if getattr(BACKENDS.config_class(k), "images", False)]
             raise ValueError(f"{kind}: inference.backend={backend.kind!r} sends no images to its "
                              f"servers; allowed: {allowed} (or inference.mode=inprocess)")
+
+    def _check_routing_replay(self) -> None:
+        """Routing replay needs experts to route (told here for a local directory or the
+        embedded model; a hub id is checked once resolved, at launch)."""
+        for key, on in (("actor.moe.routing_replay", self.actor.moe.routing_replay),
+                        ("inference.engine.record_routes", self.inference.engine.record_routes)):
+            if on and self.model.is_mixture_of_experts(self.warm_start.tiny) is False:
+                what = ("the embedded tiny model, warm_start.tiny.arch="
+                        f"{self.warm_start.tiny.arch!r}" if self.model.path is None
+                        else f"model.path={self.model.path}")
+                raise ValueError(f"{key}=true needs a mixture-of-experts model; {what} is dense "
+                                 "(set warm_start.tiny.arch='qwen3_moe', or a model.path whose "
+                                 "config.json has experts: Qwen3-MoE, Mixtral)")
 
     def _check_lora(self) -> None:
         """`train.lora` pushes adapters: in memory, HTTP buckets or a PEFT directory, to servers

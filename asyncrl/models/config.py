@@ -46,6 +46,20 @@ def is_vision_language(path: str | Path) -> bool:
         return False
 
 
+MOE_ARCHS = {"qwen3_moe"}  # TinyModelConfig archs with experts
+
+
+def is_mixture_of_experts(path: str | Path) -> bool:
+    """Whether the model directory's config.json (its text part) has experts (`num_experts` or
+    `num_local_experts` > 0, as Qwen3-MoE's and Mixtral's); False when there is no such file."""
+    try:
+        raw = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = raw.get("text_config") or raw
+    return (text.get("num_experts") or text.get("num_local_experts") or 0) > 0
+
+
 class ModelConfig(ChatOptions):
     """Which policy model to load; `path=None` means the embedded tiny model. Its chat options
     (chat_template_kwargs, reasoning_parser, tool_parser: models/chat_options.py) apply to every
@@ -75,13 +89,23 @@ class ModelConfig(ChatOptions):
         local = Path(self.path).expanduser()
         return is_vision_language(local) if local.is_dir() else None
 
+    def is_mixture_of_experts(self, tiny: TinyModelConfig | None = None) -> bool | None:
+        """Whether `path` is a mixture-of-experts model: None when that cannot be told here (a
+        hub id resolved at launch); with no path, whether the embedded model (`tiny`) is."""
+        if self.path is None:
+            return tiny is not None and tiny.arch in MOE_ARCHS
+        local = Path(self.path).expanduser()
+        return is_mixture_of_experts(local) if local.is_dir() else None
+
 
 class TinyModelConfig(Config):
     """Shape of the embedded tiny model; its hash names the cache directory it is built into."""
 
     # HF architecture of the embedded model; qwen2_vl: the vision-language model (a Qwen2-VL whose
     # text side has this shape, with a small vision tower: models/tiny_vl.py)
-    arch: Literal["qwen2", "llama", "qwen2_vl"] = "qwen2"
+    # qwen3_moe: a mixture-of-experts Qwen3 (num_experts experts of intermediate_size //
+    # experts_per_token each, experts_per_token per token: the dense model's active MLP width)
+    arch: Literal["qwen2", "llama", "qwen2_vl", "qwen3_moe"] = "qwen2"
     hidden_size: int = pydantic.Field(256, ge=8)  # width of the residual stream
     num_layers: int = pydantic.Field(8, ge=1)  # decoder layers
     num_heads: int = pydantic.Field(4, ge=1)  # attention (query) heads
@@ -95,6 +119,36 @@ class TinyModelConfig(Config):
     vocab_multiple: int = pydantic.Field(64, ge=1)  # pad the embedding rows for aligned matmuls
     seed: int = 0  # the random initial weights
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # dtype of the saved weights
+    # arch qwen3_moe: experts in each MoE layer (None: 4; unset fields are left out of the
+    # saved config, so a dense model's cache directory keeps its name)
+    num_experts: int | None = pydantic.Field(None, ge=2, exclude_if=lambda v: v is None)
+    # arch qwen3_moe: experts each token is routed to (None: 2)
+    experts_per_token: int | None = pydantic.Field(None, ge=1, exclude_if=lambda v: v is None)
+
+    @pydantic.model_validator(mode="after")
+    def _check_experts(self) -> TinyModelConfig:
+        if self.arch not in MOE_ARCHS:
+            for name in ("num_experts", "experts_per_token"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)} applies to a mixture-of-"
+                                     f"experts arch (allowed: {sorted(MOE_ARCHS)}); arch="
+                                     f"{self.arch!r} is dense")
+            return self
+        if self.top_k > self.experts:
+            raise ValueError(f"experts_per_token={self.top_k} is out of range; allowed [1, "
+                             f"num_experts={self.experts}]")
+        if self.intermediate_size % self.top_k:
+            raise ValueError(f"intermediate_size={self.intermediate_size} must be divisible by "
+                             f"experts_per_token={self.top_k} (each expert's width)")
+        return self
+
+    @property
+    def experts(self) -> int:
+        return self.num_experts or 4
+
+    @property
+    def top_k(self) -> int:
+        return self.experts_per_token or 2
 
     @pydantic.model_validator(mode="after")
     def _check_head_shapes(self) -> TinyModelConfig:

@@ -1,4 +1,5 @@
-"""Build the embedded default model: a small random-init Qwen2/Llama with the byte tokenizer.
+"""Build the embedded default model: a small random-init Qwen2/Llama (or a Qwen3-MoE) with the
+byte tokenizer.
 
 These machines have no hub access, so tests, examples and the SFT warm start need a model that can
 be made from nothing. The result is an ordinary HF directory (config.json, model.safetensors,
@@ -32,9 +33,10 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3MoeConfig,
 )
 
-from asyncrl.models.config import TinyModelConfig
+from asyncrl.models.config import MOE_ARCHS, TinyModelConfig
 from asyncrl.models.export import save_model_dir
 from asyncrl.models.tokenizer import (
     CHARACTERS,
@@ -49,6 +51,7 @@ from asyncrl.models.tokenizer import (
 ARCH_CONFIGS: dict[str, tuple[type[PretrainedConfig], str]] = {
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "llama": (LlamaConfig, "LlamaForCausalLM"),
+    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ASCII_VOCAB = len(SPECIAL_TOKENS) + len(CHARACTERS)  # ids 0..100: what the embedded tasks write
@@ -61,7 +64,12 @@ def padded_vocab_size(vocab_size: int, multiple: int) -> int:
 def tiny_hf_config(cfg: TinyModelConfig, vocab_size: int) -> PretrainedConfig:
     """The transformers config of the tiny model; ids match `build_byte_tokenizer`."""
     config_cls, architecture = ARCH_CONFIGS[cfg.arch]
+    experts = {} if cfg.arch not in MOE_ARCHS else dict(
+        num_experts=cfg.experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=True,
+        moe_intermediate_size=cfg.intermediate_size // cfg.top_k,
+        head_dim=cfg.hidden_size // cfg.num_heads)
     return config_cls(
+        **experts,
         vocab_size=padded_vocab_size(vocab_size, cfg.vocab_multiple),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,

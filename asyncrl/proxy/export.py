@@ -50,7 +50,7 @@ def export_concat(completions: list[Completion], raw: dict[str, float],
                 token_rewards[end - 1] = raw[c.id]
         samples.append(Sample(ids, mask, logps, vers, reward=returns[path[0].id],
                               token_rewards=token_rewards, stop_reason=leaf.stop_reason,
-                              images=leaf.images,
+                              images=leaf.images, routes=leaf.routes,
                               metadata={"completion_ids": [c.id for c in path],
                                         "turns": len(path),
                                         "tool_calls": sum(c.tool_calls for c in path)}))

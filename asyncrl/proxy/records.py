@@ -33,12 +33,14 @@ class Completion:
     # prompt only when rendered with the same ones)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     images: ImageInputs | None = None  # the prompt's images (every one of the conversation)
+    routes: Any = None  # the engine's routes of prompt + output (ModelResponse.routes)
 
     def sample(self, reward: float) -> Sample:
         sample = Sample.from_prompt_and_completion(
             self.prompt_ids, self.output_ids, self.logprobs, self.versions, reward=reward,
             stop_reason=self.stop_reason,
-            metadata={"completion_id": self.id, "turn": self.turn, "tool_calls": self.tool_calls})
+            metadata={"completion_id": self.id, "turn": self.turn, "tool_calls": self.tool_calls},
+            routes=self.routes)
         sample.images = self.images
         return sample
 

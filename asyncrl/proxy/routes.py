@@ -154,7 +154,7 @@ class ProxyRoutes:
                           stop_reason=out.stop_reason, messages=messages, tools=tools,
                           message=message, parent=parent.id if parent else None,
                           retokenize_drift=drift, template_kwargs=template_kwargs or {},
-                          images=images)
+                          images=images, routes=out.routes)
 
     def images(self, messages: list[dict[str, Any]]
                ) -> tuple[ImageInputs | None, Callable[[str], list[int]]]:

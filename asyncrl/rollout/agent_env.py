@@ -91,7 +91,8 @@ class AgentEnvWorkflow:
         samples = [
             Sample.from_prompt_and_completion(
                 r.input_tokens, r.output_tokens, r.output_logprobs, r.output_versions,
-                reward=g, stop_reason=r.stop_reason, metadata={"step": t, "step_reward": rw})
+                reward=g, stop_reason=r.stop_reason, metadata={"step": t, "step_reward": rw},
+                routes=r.routes)
             for t, (r, g, rw) in enumerate(zip(responses, returns, rewards)) if r is not None
         ]
         if not samples:

@@ -115,12 +115,14 @@ class JournaledEngine:
         progress = Progress(req, t0=0.0)
         progress.add(Segment(list(partial.output_tokens), list(partial.output_logprobs),
                              list(partial.output_versions), StopReason.ABORT), 0.0, 0.0)
+        routes = partial.routes
         if progress.remaining > 0:
             more = await self._engine.agenerate(ModelRequest(
                 input_ids=list(req.input_ids) + progress.tokens, gconfig=progress.next_config(),
                 rid=req.rid, images=req.images))
             progress.add(Segment(more.output_tokens, more.output_logprobs, more.output_versions,
                                  more.stop_reason), 0.0, 0.0)
-        resp = progress.response()
-        resp.latency, resp.ttft = partial.latency, partial.ttft
-        return resp
+            routes = more.routes  # its prompt is the whole sequence so far
+        # (routes: a mixture-of-experts engine's, whole: the continuation's cover everything)
+        return dataclasses.replace(progress.response(), latency=partial.latency,
+                                   ttft=partial.ttft, routes=routes)

@@ -21,6 +21,7 @@ from asyncrl.api import (EvalReport, GenerationConfig, InferenceEngine, ModelReq
 from asyncrl.api.trajectory import PROMPT_VERSION
 from asyncrl.config import Config
 from asyncrl.models.chat import encode_chat_prompt, render_chat, stop_at_eos
+from asyncrl.models import routes
 from asyncrl.models.chat_options import ChatOptions
 from asyncrl.reward.call import RewardFn, call_reward
 from asyncrl.reward.returns import discounted_returns
@@ -99,7 +100,7 @@ class MultiTurnWorkflow:
         for end, r in zip(turn_ends, turn_rewards):
             token_rewards[end] = r
         sample = Sample(ids, mask, logps, vers, reward=returns[0], token_rewards=token_rewards,
-                        stop_reason=resp.stop_reason,
+                        stop_reason=resp.stop_reason, routes=routes.fit(resp.routes, len(ids)),
                         metadata={"turns": len(turn_rewards), "turn_rewards": turn_rewards,
                                   "turn_returns": returns, "completion_text": texts[-1]})
         return Trajectory([sample], group_id=str(data.get("id", "")))

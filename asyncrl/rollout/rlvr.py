@@ -61,6 +61,6 @@ class RLVRWorkflow:
             samples.append(Sample.from_prompt_and_completion(
                 prompt, resp.output_tokens, resp.output_logprobs, resp.output_versions,
                 reward=reward, stop_reason=resp.stop_reason,
-                metadata={"completion_text": text}))
+                metadata={"completion_text": text}, routes=resp.routes))
             samples[-1].images = images
         return Trajectory(samples, group_id=str(data.get("id", "")))

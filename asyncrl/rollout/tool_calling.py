@@ -31,6 +31,7 @@ from asyncrl.api import (EvalReport, GenerationConfig, InferenceEngine, ModelReq
 from asyncrl.api.episode import EpisodeRejected
 from asyncrl.api.trajectory import PROMPT_VERSION
 from asyncrl.models.chat import encode_chat_prompt, stop_at_eos, text_after_reply
+from asyncrl.models import routes
 from asyncrl.models.chat_options import ChatOptions, decode_keeping
 from asyncrl.reward.call import RewardFn, call_reward
 from asyncrl.rollout.answer_eval import EvalConfig
@@ -199,6 +200,7 @@ class ToolCallingWorkflow:
         answer = self.chat.reward_text(text, self.reward_sees_reasoning, kwargs)
         reward = await call_reward(self.reward_fn, answer, {**data, "tool_results": results})
         sample = Sample(ids, mask, logps, vers, reward=reward, stop_reason=resp.stop_reason,
+                        routes=routes.fit(resp.routes, len(ids)),
                         metadata={"completion_text": text, "tool_calls": len(results),
                                   "tool_results": results})
         return Trajectory([sample], group_id=str(data.get("id", "")))

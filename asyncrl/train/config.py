@@ -369,6 +369,18 @@ LOSSES.register(CustomLossConfig)
 LossConfig = LOSSES.field()
 
 
+class MoeConfig(Config):
+    """A mixture-of-experts policy's routing (train/route_replay.py). Whatever is set here, such
+    a policy's steps report the route-flip share (moe/route_flip_frac) when its engines return
+    routes (the built-in engine in process)."""
+
+    # Rollout routing replay (R3): the trainer routes each token to the experts the engine chose
+    # for it, weighted by its own router's probabilities of them (the router still learns); each
+    # step also measures the logprob gap without replay (one more forward, moe/*). Refused for a
+    # dense model; engines that return no routes (servers) train without it, said at start.
+    routing_replay: bool = False
+
+
 class PPOActorConfig(Config):
     ppo: PPOLossConfig = PPOLossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
@@ -381,6 +393,7 @@ class PPOActorConfig(Config):
     # (package.module:Loss, or {path: ..., kwargs: {...}}); a registered kind of LOSSES
     loss: LossConfig = pydantic.Field(
         "ppo", description="ppo | package.module:Loss | {path: ..., kwargs: {...}}")
+    moe: MoeConfig = MoeConfig()
 
     @pydantic.model_validator(mode="after")
     def _renormalize_needs_recompute(self) -> PPOActorConfig:

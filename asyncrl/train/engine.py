@@ -37,6 +37,7 @@ from asyncrl.api.trajectory import Sample
 from asyncrl.api.version import PolicyVersion
 from asyncrl.models.device import resolve_device
 from asyncrl.models.kv_cache_arg import cache_kwargs
+from asyncrl.models.routes import UNROUTED
 from asyncrl.train.aggregation import normalizer_count
 from asyncrl.train.config import LoraConfig, TrainEngineConfig, lora_enabled
 from asyncrl.train.heads import ChunkedLogprobHead, LogprobHead, OutputHead, split_output_head
@@ -55,6 +56,7 @@ from asyncrl.train.packing import (
     unpack,
 )
 from asyncrl.train.parallel import Parallelism, SingleProcess
+from asyncrl.train.route_replay import Mode, RouteReplay, sparse_routers
 from asyncrl.train.varlen_attention import packed_kwargs, packed_rows, use_packed_attention
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,14 @@ PAD_AT_MOST = 1.25
 def sample_lengths(mb: PackedMicroBatch) -> list[int]:
     bounds = mb.cu_seqlens.tolist()
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def padded_routes(routes: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """A packed micro-batch's routes [N, layers, k] laid out as its padded rows' [rows, ...]
+    (`index`: padded_layout's; padding rows route live)."""
+    out = routes.new_full((rows, *routes.shape[1:]), UNROUTED)
+    out[index] = routes
+    return out
 
 
 def padded_positions(mb: PackedMicroBatch) -> int:
@@ -138,11 +148,14 @@ class HFTrainEngine:
 
     def __init__(self, model: torch.nn.Module, cfg: TrainEngineConfig | None = None, *,
                  total_steps: int = 1000, trainable: bool = True, lora: LoraConfig | None = None,
-                 head: OutputHead | None = None, parallel: Parallelism | None = None) -> None:
+                 head: OutputHead | None = None, parallel: Parallelism | None = None,
+                 routing: Mode | None = None) -> None:
         """`total_steps`: the LR schedule's horizon (optimizer steps). `trainable` False: a
         forward-only engine (the reference), no optimizer state. `lora`: only an adapter trains
         (train/lora.py). `head`: what a forward computes per token (default: logprobs at
-        temperature 1). `parallel`: one process (default) or `fsdp.FSDP2`."""
+        temperature 1). `parallel`: one process (default) or `fsdp.FSDP2`. `routing`: a
+        mixture-of-experts policy replays (Mode.REPLAY) or only monitors (Mode.OBSERVE) the
+        engine's routes its samples carry (route_replay.py); None: neither."""
         self.cfg = cfg or TrainEngineConfig()
         self.head = head or LogprobHead()
         self.parallel = parallel or SingleProcess()
@@ -171,6 +184,9 @@ class HFTrainEngine:
         if self.lora is not None:
             model = apply_lora(model, self.lora)  # before sharding: FSDP shards A and B too
         self.model = self.parallel.prepare(model, self.cfg, self.device)
+        # (only replay is refused for a model whose routers cannot be hooked; monitoring is off)
+        self.routing = RouteReplay(self.model, routing) if routing == Mode.REPLAY or (
+            routing is not None and sparse_routers(self.model)) else None
         # positions the model computed (padding included), against the real tokens of
         # `train_batch`'s micro-batches: its stat train/computed_per_real_token
         self.positions_computed = 0
@@ -278,23 +294,31 @@ class HFTrainEngine:
         which positions were computed (None: all; a shared prefix's are not, and are 0), and
         the head that reads them."""
         mb = mb.to(self.device)
+        routes = mb.tensors.get("routes") if self.routing is not None else None
         if mb.has_images and not self.padded:
             raise ValueError("samples with images need train.attention_layout padded (or auto "
                              "on a vision-language model): a packed row has no per-sample "
                              "multimodal positions")
         with self._autocast():
             pads = self._pads(mb)
-            shared = shared_prefix_layout(mb) if self.share_prefixes else None
+            # (replayed routes are per token: a shared prefix is computed once for many samples)
+            shared = (shared_prefix_layout(mb) if self.share_prefixes and routes is None
+                      else None)
             if shared is not None and (self.padded or shared.computed_tokens <= (
                     padded_positions(mb) if pads else mb.num_tokens)):
                 return self._shared_prefix_outputs(mb, shared)
             if pads:
                 ids, mask, index = padded_layout(mb)
+                if self.routing is not None:
+                    self.routing.use(None if routes is None else padded_routes(routes, index,
+                                                                              ids.numel()))
                 head = self._head_for(ids.numel())
                 out = head.raw(self._run(head, attention_mask=mask, use_cache=False,
                                          **self._image_kwargs(mb, ids, index)))
                 return out.flatten(0, 1)[index], None, head
             # One row; each sample attends to its own tokens (varlen_attention.py)
+            if self.routing is not None:
+                self.routing.use(routes)
             head = self._head_for(mb.num_tokens)
             with packed_rows():
                 out = self._run(head, input_ids=mb.input_ids, position_ids=mb.position_ids,

@@ -52,3 +52,33 @@ class MismatchMonitor:
                         "mismatch/iw_max": float(w.max()), "mismatch/iw_min": float(w.min()),
                         "mismatch/iw_over_2_frac": float((w > 2).float().mean())})
         return out
+
+
+def unreplayed_gap(logprobs: list[torch.Tensor], samples: list, version: int
+                   ) -> dict[str, float]:
+    """`moe/logprob_diff_unreplayed_{mean,max}`: |trainer - sampler| on the fresh trained tokens
+    (as `mismatch/logprob_diff_*`) of the trainer's forward without routing replay, per-sample
+    input-aligned `logprobs`."""
+    diffs = []
+    for lp, s in zip(logprobs, samples):
+        fresh = torch.tensor([m == 1 and v == version for m, v in zip(s.loss_mask, s.versions)])
+        diffs.append((lp.float() - torch.tensor(s.logprobs))[fresh].abs())
+    d = torch.cat(diffs) if diffs else torch.zeros(0)
+    if not d.numel():
+        return {}
+    return {"moe/logprob_diff_unreplayed_mean": float(d.mean()),
+            "moe/logprob_diff_unreplayed_max": float(d.max())}
+
+
+def unreplayed_tokens(samples: list) -> int:
+    """Tokens a replayed forward routed live for want of the engine's routes (a sample's last
+    token is never read by the engine, nor needed: no trained token is predicted from it)."""
+    from asyncrl.models.routes import UNROUTED
+
+    count = 0
+    for s in samples:
+        if s.routes is None:
+            count += len(s.input_ids) - 1
+        else:
+            count += int((s.routes[:-1, 0, 0] == UNROUTED).sum())
+    return count

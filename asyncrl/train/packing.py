@@ -25,6 +25,7 @@ import torch
 
 from asyncrl.api.images import ImageInputs
 from asyncrl.api.trajectory import Sample
+from asyncrl.models.routes import UNROUTED
 
 
 @dataclass
@@ -129,7 +130,8 @@ def pack_samples(
     proximal or reference logprobs, ...); it is packed alongside as float32 tensors [N].
     Always present: loss_mask [N] (bool; 0 at each sample's first token, which has no prefix to
     predict it from), behaviour_logprobs [N], versions [N] (long), seq_id [N] (long, 0..k-1
-    within this micro-batch).
+    within this micro-batch). When a sample carries routes: routes [N, sparse layers, top_k]
+    (long; UNROUTED for the samples without).
     """
     if not indices:
         raise ValueError("pack_samples needs at least one sample index; got none")
@@ -156,6 +158,12 @@ def pack_samples(
         "versions": torch.tensor(versions, dtype=torch.long),
         "seq_id": torch.repeat_interleave(torch.arange(k), torch.tensor(lengths)),
     }
+    routed = [samples[i].routes for i in indices if samples[i].routes is not None]
+    if routed:  # a mixture-of-experts policy's routes [N, layers, top_k] (-1: route live)
+        tensors["routes"] = torch.cat([
+            torch.from_numpy(samples[i].routes).long() if samples[i].routes is not None
+            else torch.full((n, *routed[0].shape[1:]), UNROUTED, dtype=torch.long)
+            for i, n in zip(indices, lengths)])
     for name, per_sample in (token_data or {}).items():
         for i, n in zip(indices, lengths):
             if per_sample[i].shape != (n,):

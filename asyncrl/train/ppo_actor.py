@@ -24,7 +24,8 @@ from asyncrl.train.critic import critic_token_loss, values_and_end_values
 from asyncrl.train.losses import behaviour_weight
 from asyncrl.train.regularizers import kl_reward
 from asyncrl.train.engine import HFTrainEngine
-from asyncrl.train.mismatch import MismatchMonitor
+from asyncrl.train.mismatch import MismatchMonitor, unreplayed_gap, unreplayed_tokens
+from asyncrl.train.route_replay import Mode
 from asyncrl.train.packing import PackedMicroBatch, unpack
 from asyncrl.train.proximal import proximal_logprobs
 from asyncrl.train.config import PPOActorConfig
@@ -179,6 +180,20 @@ class PPOActor:
                             lp.float().cpu().tolist()
         return self.loss(logprobs, inputs, normalizer)
 
+    def _unreplayed(self, samples: list[Sample]) -> dict[str, float]:
+        """Under routing replay, before the update: the gap the same weights show without replay
+        (one more forward; its route flips are the step's moe/route_flip_frac) and the tokens
+        it could not replay."""
+        routing = self.engine.routing
+        if routing is None or routing.mode != Mode.REPLAY or all(
+                s.routes is None for s in samples):
+            return {}
+        with routing.observing():
+            stats = unreplayed_gap(self.engine.forward(samples), samples,
+                                   self.engine.version.value)
+        stats["moe/unreplayed_tokens"] = float(unreplayed_tokens(samples))
+        return stats
+
     def take_record(self) -> dict[int, dict[str, list[float]]]:
         """The last step's recorded samples by batch index: `trainer_logprobs` (the policy the
         step started from; present for the samples this rank trained in its first minibatch)
@@ -199,6 +214,7 @@ class PPOActor:
         if self.cfg.ppo.behav_imp_weight_renormalize:
             samples = self._drop_bounded_tokens(samples, data, stats)
         self._batch_version = self.engine.version.value
+        stats.update(self._unreplayed(samples))
         per_mb: list[dict[str, float]] = []
         for k, part in enumerate(minibatches(groups, self.cfg.ppo_n_minibatches)):
             self._watching = k == 0
@@ -211,6 +227,8 @@ class PPOActor:
         for key in per_mb[0]:
             stats[key] = sum(st.get(key, 0.0) for st in per_mb) / len(per_mb)
         stats.update(self.monitor.summary())
+        if self.engine.routing is not None:
+            stats.update(self.engine.routing.take_metrics())
         if self.critic is not None:  # the critic regresses on this batch's GAE returns
             critic_data = {k: data[k] for k in ("returns", "old_values", "adv_loss_mask")}
             critic_stats = self.critic.train_batch(
