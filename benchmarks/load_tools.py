@@ -57,6 +57,13 @@ def warm_start() -> Path:
     return Path(run_sft_job(cfg).model_dir)
 
 
+def service_stats(url: str) -> dict:
+    """The tool service's own counts (GET /stats: calls by fate, service-time median/p99)."""
+    import httpx
+
+    return httpx.get(f"{url}/stats", timeout=30.0).json()
+
+
 def rows_from(n: int):
     """Endless distinct prompts (ids never repeat): a*b over every pair, then again."""
     k = 0
@@ -117,6 +124,7 @@ def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service
     rows = rows_from(10**9)
     submitted: list[str] = []
     seen: dict[str, int] = {}
+    called = [0]  # episodes whose trajectory holds a tool result (the workflow's metadata)
     samples: list[dict] = []
     t0 = time.monotonic()
     with WorkflowExecutor(engine, rcfg, workflow) as ex:
@@ -130,6 +138,7 @@ def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service
             trajs = ex.wait(k, timeout=timeout)
             for traj in trajs:
                 seen[traj.group_id] = seen.get(traj.group_id, 0) + 1
+                called[0] += any(s.metadata.get("tool_calls", 0) for s in traj.samples)
             return len(trajs)
 
         submit(in_flight)
@@ -141,6 +150,7 @@ def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service
                     rss_mib(), 1), "fds": open_fds(), "service_rss_mib": round(
                     rss_mib(proc.proc.pid), 1), "service_fds": open_fds(proc.proc.pid),
                     "running": st["running"], "pending": st["pending"],
+                    "service_calls": sum(service_stats(proc.url)["calls"].values()),
                     "finished": st["accepted"] + st["rejected"] + st["failed"]})
                 say(f"{samples[-1]}")
                 next_sample += sample_every
@@ -163,6 +173,7 @@ def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service
         ex.run(workflow.aclose())
     if own_engine:
         engine.shutdown()
+    service_calls = service_stats(proc.url)["calls"]
     proc.stop()
     lost = [i for i in submitted if i not in seen]
     duplicated = [i for i, n in seen.items() if n > 1]
@@ -174,6 +185,12 @@ def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service
             "submitted": len(submitted), "returned": sum(seen.values()), "lost": len(lost),
             "duplicated": len(duplicated), "unknown": len(unknown),
             "rejected": stats["rejected"], "failed": stats["failed"],
+            # what the service answered, by fate (answer, error = injected 503, hang, ...): the
+            # episodes did wait on it; calls per returned episode says how many called
+            "service_calls": service_calls,
+            "service_calls_per_episode": round(sum(service_calls.values()) / max(
+                sum(seen.values()), 1), 3),
+            "episodes_with_tool_result": called[0] if mode == "workflow" else None,
             "episodes_per_s": round(len(submitted) / max(time.monotonic() - t0, 1e-9), 2),
             "rss_mib_first_minute": round(avg(first, "rss_mib"), 1),
             "rss_mib_last_minute": round(avg(last, "rss_mib"), 1),

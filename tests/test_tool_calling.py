@@ -246,6 +246,11 @@ def test_many_episodes_waiting_on_the_tool_lose_and_duplicate_nothing(tokenizer,
     assert out["lost"] == out["duplicated"] == out["unknown"] == 0
     assert out["rejected"] == out["failed"] == 0
     assert max(s["running"] for s in out["samples"]) > 24  # the episodes did wait together
+    # every scripted episode calls once: the service answered about one call per episode
+    assert 0.9 <= out["service_calls_per_episode"] <= 1.0 + 48 / out["returned"]
+    assert out["service_calls"].get("error", 0) > 0  # the injected 503s reached episodes
+    if mode == "workflow":
+        assert out["episodes_with_tool_result"] == out["returned"]
 
 
 class SubmitPolicy:
