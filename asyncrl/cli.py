@@ -283,11 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "with a --host other than loopback")
     vw.set_defaults(func=cmd_view)
     bm = sub.add_parser("build-model", help="build a random-init model of a preset shape "
-                        "(tiny, tiny-vl, qwen2.5-0.5b, qwen2.5-1.5b) as a HF directory")
+                        "(tiny, tiny-vl, tiny-qwen3-vl, tiny-moe, qwen2.5-0.5b, qwen2.5-1.5b) as a "
+                        "HF directory")
     bm.add_argument("out_dir", nargs="?", default=None, metavar="OUT_DIR",
                     help="where to save it (default: the cache, reused when already built)")
     bm.add_argument("--preset", required=True, metavar="NAME",
-                    help="tiny | tiny-vl | qwen2.5-0.5b | qwen2.5-1.5b")
+                    help="tiny | tiny-vl | tiny-qwen3-vl | tiny-moe | qwen2.5-0.5b | qwen2.5-1.5b")
     bm.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="weights dtype (default: bfloat16 for Qwen presets, float32 for tiny)")
     bm.add_argument("--seed", type=int, default=0, help="seed of the random weights")

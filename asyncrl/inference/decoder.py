@@ -59,6 +59,18 @@ def check_device(device: torch.device, tensors: Iterable[torch.Tensor]) -> None:
             raise RuntimeError(f"a {tuple(t.shape)} tensor is on {t.device}, expected {device}")
 
 
+def mrope_streams(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """The position stream (0 time, 1 height, 2 width) of each rotary frequency dim: one section
+    each (Qwen2-VL), or taking turns t, h, w, t, h, w, ... while each stream's section lasts, the
+    rest time (Qwen3-VL)."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    streams = torch.zeros(sum(section), dtype=torch.long)
+    for stream in (1, 2):
+        streams[stream:3 * section[stream]:3] = stream
+    return streams
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor  # before the attention
@@ -90,6 +102,9 @@ class _Ctx:
     kv_rows: torch.Tensor | None = None  # decode, torch path: rows of the flat layer cache
     masks: dict[int, torch.Tensor] | None = None  # torch path: by window (0: none), additive
     routes: list[torch.Tensor] | None = None  # collects each sparse layer's [rows, k] experts
+    # Qwen3-VL's DeepStack: what the first len(deepstack) layers' outputs add ([rows, D], zero
+    # off the image tokens)
+    deepstack: list[torch.Tensor] | None = None
 
 
 class DecoderModel:
@@ -154,8 +169,8 @@ class DecoderModel:
         self.rope = {kind: (c[self.margin:].to(self.device), s_[self.margin:].to(self.device))
                      for kind, (c, s_) in tables.items()}
         if a.mrope_section:  # which position stream rotates each frequency dim
-            self.mrope_stream = torch.repeat_interleave(
-                torch.arange(3), torch.tensor(a.mrope_section)).to(self.device)
+            self.mrope_stream = mrope_streams(a.mrope_section, a.mrope_interleaved).to(
+                self.device)
             self.inv_freq = a.rope[DEFAULT_KIND].inv_freq.to(self.device)
         self._kernels = self._load_kernels() if cpu_kernels and on_cpu else None
         # The kernels read fp32 tables holding the values the torch path uses (rounded to dtype).
@@ -363,8 +378,9 @@ class DecoderModel:
         and MLP on those rows only (every row's K/V is already cached by then); for a prefill
         that skips about a tenth of the FLOPs."""
         mm = self._matmuls(x.shape[0])
-        # recording routes: the last layer routes every row too (its experts are recorded)
-        last = len(self.layers) - 1 if c.routes is None else -1
+        deep = c.deepstack or []
+        # recording routes, or a DeepStack feature for the last layer: it runs every row too
+        last = len(self.layers) - 1 if c.routes is None and len(deep) < len(self.layers) else -1
         for i, w in enumerate(self.layers):
             qkv = mm.qkv(i, self._norm(x, w.ln1))
             if w.q_norm is not None:
@@ -381,10 +397,12 @@ class DecoderModel:
             else:  # Gemma: each block's output is normed before it joins the residual
                 x = x + self._norm(mm.o_proj_add(i, a, None), w.post_attn)
                 x = x + self._norm(mm.mlp_add(i, self._norm(x, w.ln2), None), w.post_mlp)
+            if i < len(deep):
+                x = x + deep[i]
         if c.routes is not None:
             self.last_routes = torch.stack(c.routes, 1) if c.routes else None
-            if keep is not None:
-                x = x[keep]
+        if keep is not None and last == -1:
+            x = x[keep]
         return x
 
     def _moe(self, w: _Layer, h: torch.Tensor, c: _Ctx) -> torch.Tensor:
@@ -466,16 +484,19 @@ class DecoderModel:
     def prefill(
         self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
         embeds: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        deepstack: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """tokens [n, L] right-padded, lengths [n], slots [n] -> fp32 logits of each last token.
 
         A multimodal prompt passes its input embeddings [n * L, D] (images filled in) and its
-        M-RoPE rows (`mrope_rows`); it runs the torch attention path."""
+        M-RoPE rows (`mrope_rows`); it runs the torch attention path. `deepstack` (Qwen3-VL):
+        what each of the first layers' outputs add, [n * L, D] each."""
         n, length = tokens.shape
         x = self.embed_tokens(tokens.reshape(-1)) if embeds is None else embeds
         last = torch.arange(n, device=tokens.device) * length + lengths - 1
         if rope is not None:
-            c = _Ctx(cache, {DEFAULT_KIND: rope}, n, length, slots=slots, routes=self._routes())
+            c = _Ctx(cache, {DEFAULT_KIND: rope}, n, length, slots=slots, routes=self._routes(),
+                     deepstack=deepstack)
             return self._logits(self._layers(x, self._attn_prefill, c, last))
         if self._use_kernels(cache, tokens, lengths, slots):
             # Padding rows write K/V past their prompt's end: harmless, since decode overwrites

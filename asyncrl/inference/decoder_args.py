@@ -114,6 +114,9 @@ class DecoderArgs:
     embed_scale: float | None = None  # Gemma: sqrt(hidden), applied in the weights' dtype
     # a vision-language model's M-RoPE: rotary frequency dims per position stream (t, h, w)
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL: the streams take turns over the frequency dims (t, h, w, t, h, w, ...) instead
+    # of one section each
+    mrope_interleaved: bool = False
     moe: MoeArgs | None = None  # mixture-of-experts layers; None: every MLP is dense
 
     @property
@@ -185,6 +188,7 @@ class DecoderArgs:
             attn_scale=config.query_pre_attn_scalar ** -0.5 if gemma else 0.0,
             embed_scale=config.hidden_size ** 0.5 if gemma else None,
             mrope_section=tuple(raw["mrope_section"]) if raw.get("mrope_section") else None,
+            mrope_interleaved=bool(raw.get("mrope_interleaved")),
             moe=MoeArgs.from_config(config, num_layers) if features.moe else None,
         )
 
@@ -194,7 +198,8 @@ def hf_config_object(raw: Mapping[str, Any]) -> Any:
     normalised rope parameters)."""
     from transformers import AutoConfig
 
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "mrope_section")}
+    fields = {k: v for k, v in raw.items()
+              if k not in ("model_type", "mrope_section", "mrope_interleaved")}
     return AutoConfig.for_model(raw["model_type"], **fields)
 
 

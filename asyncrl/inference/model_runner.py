@@ -303,8 +303,16 @@ class ModelRunner:
         x = self.model.embed_tokens(tokens).view(n, width, -1)
         with_images = [row for row, s in enumerate(seqs) if s.images is not None]
         embeds = vision.embed([seqs[row].images for row in with_images])
+        deep: list[torch.Tensor] = []  # Qwen3-VL: per decoder layer, [n, width, hidden]
         for row, image_embeds in zip(with_images, embeds):
-            x[row, tokens[row] == vision.image_token_id] = image_embeds.to(x.dtype)
+            at = tokens[row] == vision.image_token_id
+            if image_embeds.dim() == 3:  # merged output, then the DeepStack features
+                if not deep:
+                    deep = [torch.zeros_like(x) for _ in range(image_embeds.shape[0] - 1)]
+                for layer, feature in zip(deep, image_embeds[1:]):
+                    layer[row, at] = feature.to(x.dtype)
+                image_embeds = image_embeds[0]
+            x[row, at] = image_embeds.to(x.dtype)
         for row, (seq, seq_ids) in enumerate(zip(seqs, ids)):
             grids = seq.images.grid_thw.tolist() if seq.images is not None else []
             streams, seq.rope_delta = mrope_positions(seq_ids, vision.image_token_id, grids,
@@ -312,7 +320,8 @@ class ModelRunner:
             positions[:, row, :len(seq_ids)] = torch.tensor(streams)
         return self.model.prefill(tokens, self._tensor(lengths), slots, self.cache,
                                   embeds=x.view(n * width, -1),
-                                  rope=self.model.mrope_rows(positions))
+                                  rope=self.model.mrope_rows(positions),
+                                  deepstack=[d.view(n * width, -1) for d in deep])
 
     @torch.inference_mode()
     def move_slots(self, moves: list[tuple[int, int]]) -> None:

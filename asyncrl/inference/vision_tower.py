@@ -33,8 +33,12 @@ TOWERS = {
                  "Qwen2VisionTransformerPretrainedModel"),
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
                    "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
 }
-VLM_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VLM_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                     "Qwen3VLForConditionalGeneration")
+# a VLM's decoder as the causal LM the compact decoder reads it as
+DECODERS = {"qwen3_vl": ("Qwen3ForCausalLM", "qwen3")}
 CACHED_PROMPTS = 32  # vision outputs kept (a few GRPO groups' prompts)
 
 
@@ -43,8 +47,9 @@ def is_vlm_config(cfg: Mapping[str, Any]) -> bool:
 
 
 def language_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The decoder's config of a Qwen2-VL-style `cfg`, as a Qwen2ForCausalLM config plus
-    `mrope_section`; a text model's `cfg` as it is."""
+    """The decoder's config of a Qwen2-VL-style `cfg`, as a Qwen2ForCausalLM (Qwen3-VL: a
+    Qwen3ForCausalLM) config plus `mrope_section` and `mrope_interleaved`; a text model's `cfg`
+    as it is."""
     if not is_vlm_config(cfg):
         return dict(cfg)
     out = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
@@ -55,8 +60,11 @@ def language_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         rope.pop("type", None)
         rope["rope_type"] = "default"  # M-RoPE rotates each section with the default frequencies
     rope.pop("type", None)
-    out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_parameters=rope,
-               mrope_section=list(section) if section else None, rope_scaling=None)
+    interleaved = bool(rope.pop("mrope_interleaved", False))
+    arch, model_type = DECODERS.get(cfg.get("model_type"), ("Qwen2ForCausalLM", "qwen2"))
+    out.update(architectures=[arch], model_type=model_type, rope_parameters=rope,
+               mrope_section=list(section) if section else None, rope_scaling=None,
+               mrope_interleaved=interleaved)
     # a tied head may be declared at the top or in the text config
     out["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings") or (
         cfg.get("text_config") or {}).get("tie_word_embeddings"))
@@ -156,7 +164,9 @@ class VisionTower:
     @torch.inference_mode()
     def embed(self, prompts: Sequence[Any]) -> list[torch.Tensor]:
         """[image tokens, hidden] of each prompt's images (ImageInputs): from the cache when
-        their digest was seen since the last weight update, the rest in one tower call."""
+        their digest was seen since the last weight update, the rest in one tower call. A
+        tower with DeepStack features (Qwen3-VL) gives [1 + deepstack layers, image tokens,
+        hidden]: the merged output, then the feature each of the first decoder layers adds."""
         out = {d: self._cache[d] for d in {x.digest for x in prompts} if d in self._cache}
         todo = list({x.digest: x for x in prompts if x.digest not in out}.values())
         if todo:
@@ -165,8 +175,11 @@ class VisionTower:
             result = self.module(torch.cat([x.pixel_values for x in todo]).to(
                 device, self.module.dtype), grid_thw=grid.to(device))
             merged = result.pooler_output if hasattr(result, "pooler_output") else result
+            deepstack = getattr(result, "deepstack_features", None)
+            if deepstack:
+                merged = torch.stack([merged, *deepstack])
             sizes = [sum(image_token_count(x.grid_thw, self.merge)) for x in todo]
-            out.update(zip((x.digest for x in todo), merged.split(sizes)))
+            out.update(zip((x.digest for x in todo), merged.split(sizes, dim=-2)))
         for x in prompts:
             self._cache[x.digest] = out[x.digest]
             self._cache.move_to_end(x.digest)

@@ -43,6 +43,6 @@ class SFTRunConfig(Config):
             what = (f"the embedded tiny model, tiny.arch={self.tiny.arch!r}"
                     if self.model.path is None else self.model.path)
             raise ValueError(f"data.kind={self.data.kind!r} has images, but model.path ({what}) "
-                             "is a text-only model; set tiny.arch to 'qwen2_vl' or model.path "
-                             "to a vision-language model")
+                             "is a text-only model; set tiny.arch to 'qwen2_vl' or 'qwen3_vl', "
+                             "or model.path to a vision-language model")
         return self

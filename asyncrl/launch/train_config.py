@@ -246,7 +246,7 @@ class TrainRunConfig(Config):
                     else self.model.path)
             raise ValueError(f"{kind}, but model.path ({what}) is a text-only model; set it to a "
                              "vision-language model (e.g. `asyncrl build-model OUT --preset "
-                             "tiny-vl`), or warm_start.tiny.arch to 'qwen2_vl'")
+                             "tiny-vl`), or warm_start.tiny.arch to 'qwen2_vl' or 'qwen3_vl'")
         if self.workflow.kind not in ("rlvr", "agent"):
             raise ValueError(f"{kind}: workflow.kind={self.workflow.kind!r} does not pass images "
                              "yet; allowed: rlvr, agent (image_url parts through the proxy)")

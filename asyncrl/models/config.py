@@ -47,6 +47,7 @@ def is_vision_language(path: str | Path) -> bool:
 
 
 MOE_ARCHS = {"qwen3_moe"}  # TinyModelConfig archs with experts
+VL_ARCHS = {"qwen2_vl", "qwen3_vl"}  # TinyModelConfig archs that are vision-language models
 
 
 def is_mixture_of_experts(path: str | Path) -> bool:
@@ -85,7 +86,7 @@ class ModelConfig(ChatOptions):
         """Whether `path` is a vision-language model: None when that cannot be told here (a
         hub id resolved at launch); with no path, whether the embedded model (`tiny`) is."""
         if self.path is None:
-            return tiny is not None and tiny.arch == "qwen2_vl"
+            return tiny is not None and tiny.arch in VL_ARCHS
         local = Path(self.path).expanduser()
         return is_vision_language(local) if local.is_dir() else None
 
@@ -101,11 +102,11 @@ class ModelConfig(ChatOptions):
 class TinyModelConfig(Config):
     """Shape of the embedded tiny model; its hash names the cache directory it is built into."""
 
-    # HF architecture of the embedded model; qwen2_vl: the vision-language model (a Qwen2-VL whose
-    # text side has this shape, with a small vision tower: models/tiny_vl.py)
+    # HF architecture of the embedded model; qwen2_vl / qwen3_vl: a vision-language model (a
+    # Qwen2-VL / Qwen3-VL whose text side has this shape, with a small vision tower: tiny_vl.py)
     # qwen3_moe: a mixture-of-experts Qwen3 (num_experts experts of intermediate_size //
     # experts_per_token each, experts_per_token per token: the dense model's active MLP width)
-    arch: Literal["qwen2", "llama", "qwen2_vl", "qwen3_moe"] = "qwen2"
+    arch: Literal["qwen2", "llama", "qwen2_vl", "qwen3_vl", "qwen3_moe"] = "qwen2"
     hidden_size: int = pydantic.Field(256, ge=8)  # width of the residual stream
     num_layers: int = pydantic.Field(8, ge=1)  # decoder layers
     num_heads: int = pydantic.Field(4, ge=1)  # attention (query) heads

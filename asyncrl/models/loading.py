@@ -28,7 +28,7 @@ from asyncrl.models.export import policy_model_class
 from asyncrl.models.hf_quiet import quiet_hf_progress
 from asyncrl.models.tiny import DTYPES, build_tiny_model
 from asyncrl.models.tokenizer_check import check_round_trip
-from asyncrl.models.config import ModelConfig, TinyModelConfig, is_vision_language
+from asyncrl.models.config import VL_ARCHS, ModelConfig, TinyModelConfig, is_vision_language
 
 # Part of the cache key: bump when the builder's output changes for the same config (tokenizer,
 # chat template, file layout), so stale cached models are not silently reused.
@@ -191,8 +191,8 @@ def ensure_tiny_model(cfg: TinyModelConfig | None = None) -> Path:
 
 def build_embedded_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     """The embedded model of `cfg` written to `out_dir`: the text model (models/tiny.py) or,
-    with arch qwen2_vl, the vision-language one (models/tiny_vl.py)."""
-    if cfg.arch == "qwen2_vl":
+    with arch qwen2_vl / qwen3_vl, the vision-language one (models/tiny_vl.py)."""
+    if cfg.arch in VL_ARCHS:
         from asyncrl.models.tiny_vl import build_tiny_vl_model
 
         return build_tiny_vl_model(cfg, out_dir)

@@ -60,8 +60,10 @@ PRESETS: dict[str, ArchPreset] = {
 }
 TINY = "tiny"  # the embedded default (models/tiny.py), with its byte tokenizer
 TINY_VL = "tiny-vl"  # the embedded vision-language model (models/tiny_vl.py), a small Qwen2-VL
-PRESET_NAMES = (TINY, TINY_VL, *PRESETS)
-TINY_ARCHS = {TINY: "qwen2", TINY_VL: "qwen2_vl"}  # the presets that are the embedded model
+# the presets that are the embedded model, by its arch (TinyModelConfig.arch)
+TINY_ARCHS = {TINY: "qwen2", TINY_VL: "qwen2_vl", "tiny-qwen3-vl": "qwen3_vl",
+              "tiny-moe": "qwen3_moe"}
+PRESET_NAMES = (*TINY_ARCHS, *PRESETS)
 
 
 def check_preset(name: str) -> str:

@@ -1,4 +1,5 @@
-"""Build the embedded vision-language model: a small random-init Qwen2-VL with the byte tokenizer.
+"""Build the embedded vision-language model: a small random-init Qwen2-VL (or, with arch qwen3_vl,
+a Qwen3-VL: `tiny_qwen3_vl_config`) with the byte tokenizer.
 
 The text side has the tiny model's shape (`TinyModelConfig` with arch qwen2_vl; by default hidden
 256, 8 layers, 4 heads / 2 KV heads, MLP 768, tied embeddings) with multimodal RoPE (M-RoPE: the
@@ -38,6 +39,7 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 # added after the byte vocabulary, in this order
 VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = range(VOCAB_SIZE, VOCAB_SIZE + 4)
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 14, 2, 2
+QWEN3_PATCH_SIZE = 16  # Qwen3-VL's patches
 MAX_IMAGE_PIXELS = 112 * 112  # 8 x 8 patches -> 16 image tokens
 MIN_IMAGE_PIXELS = 56 * 56
 
@@ -58,10 +60,12 @@ def mrope_sections(head_dim: int) -> list[int]:
 
 
 def tiny_vl_config(tokenizer, cfg: TinyModelConfig, vocab_size: int | None = None):
-    """Qwen2-VL's config of the tiny VLM; `vocab_size`: the text vocabulary before padding
-    (None: the tokenizer's)."""
+    """The config of the tiny VLM (Qwen2-VL's, or Qwen3-VL's for arch qwen3_vl); `vocab_size`:
+    the text vocabulary before padding (None: the tokenizer's)."""
     from transformers import Qwen2VLConfig
 
+    if cfg.arch == "qwen3_vl":
+        return tiny_qwen3_vl_config(tokenizer, cfg, vocab_size)
     ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
     return Qwen2VLConfig(
         text_config=dict(
@@ -84,6 +88,39 @@ def tiny_vl_config(tokenizer, cfg: TinyModelConfig, vocab_size: int | None = Non
         architectures=["Qwen2VLForConditionalGeneration"], dtype=cfg.dtype)
 
 
+def tiny_qwen3_vl_config(tokenizer, cfg: TinyModelConfig, vocab_size: int | None = None):
+    """Qwen3-VL's config of the tiny VLM: a Qwen3 decoder (q/k norms) with interleaved M-RoPE
+    (Qwen3-VL's 24/20/20 split of 64 rotary pairs, scaled to the head), and Qwen3-VL's vision
+    tower (16 px patches, learned position grid, DeepStack features from both of its blocks into
+    the first two decoder layers) at width 64 and depth 2."""
+    from transformers import Qwen3VLConfig
+
+    ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    head_dim = cfg.hidden_size // cfg.num_heads
+    half = head_dim // 2
+    h = w = half * 20 // 64
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=padded_vocab_size(vocab_size or len(tokenizer), cfg.vocab_multiple),
+            hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            head_dim=head_dim, intermediate_size=cfg.intermediate_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                             "mrope_interleaved": True, "mrope_section": [half - h - w, h, w]},
+            tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=ENDOFTEXT_ID,
+            eos_token_id=IM_END_ID, pad_token_id=PAD_ID),
+        vision_config=dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=4,
+            out_hidden_size=cfg.hidden_size, patch_size=QWEN3_PATCH_SIZE,
+            spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        architectures=["Qwen3VLForConditionalGeneration"], dtype=cfg.dtype)
+
+
 def build_tiny_vl_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     """Build the tiny VLM (`cfg.seed`'s random weights) and save it as a HF directory."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
@@ -96,7 +133,7 @@ def build_tiny_vl_model(cfg: TinyModelConfig, out_dir: str | Path) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID,
                                                pad_token_id=PAD_ID)
     out = save_model_dir(model.eval(), tokenizer, out_dir)
-    save_image_processor(out, PATCH_SIZE)
+    save_image_processor(out, QWEN3_PATCH_SIZE if cfg.arch == "qwen3_vl" else PATCH_SIZE)
     return out
 
 
