@@ -110,3 +110,34 @@ def test_cells_layout_puts_each_object_in_a_cell_of_its_own():
     with pytest.raises(ValueError, match="max_objects=12 does not fit the 4 cells"):
         CountingTaskConfig(image_size=56, max_objects=12)
     assert CountingTaskConfig(image_size=56, max_objects=12, layout="free").max_objects == 12
+
+
+def test_attribute_questions_count_the_matching_objects_of_scenes_that_occlude():
+    """The harder variant: questions about a colour, a shape or both, answered by the objects
+    drawn; with occlusion, objects overlap by at most that share of the smaller box."""
+    import re
+
+    from asyncrl.data.counting import _overlap
+
+    cfg = CountingTaskConfig(questions="attributes", layout="free", occlusion=0.3,
+                             max_objects=10, num_train=120, num_eval=0)
+    rows = cfg.build().train_rows()
+    kinds, overlapped = set(), 0
+    for row in rows:
+        m = re.fullmatch(r"How many (?:(\w+) )?(\w+)s are there\?", row["question"])
+        assert m, row["question"]
+        colour, noun = m[1], m[2]
+        shape = None if noun == "object" else noun
+        kinds.add((colour is not None, shape is not None))
+        want = sum((colour is None or o["colour"] == colour) and (shape is None or o["shape"] == shape)
+                   for o in row["objects"])
+        assert row["answer"] == str(want) and row["messages"][0]["content"][1]["text"] == row["question"]
+        boxes = [o["box"] for o in row["objects"]]
+        pairs = [_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[:i]]
+        assert all(p <= 0.3 for p in pairs)
+        overlapped += any(p > 0 for p in pairs)
+    assert kinds == {(True, False), (False, True), (True, True)}
+    assert overlapped > 10  # occlusion happens
+    assert {r["answer"] for r in rows} >= {"0", "1", "2", "3"}
+    with pytest.raises(ValueError, match="occlusion=0.2 needs layout 'free'"):
+        CountingTaskConfig(occlusion=0.2)
