@@ -3,6 +3,8 @@ the document names exists."""
 
 import ast
 import re
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
@@ -141,3 +143,42 @@ def test_no_caller_probes_an_engine_or_reaches_through_one():
              for p in sorted(PKG.rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
     assert not found, "\n".join(found)
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The asyncrl modules a file imports, anywhere in it (inside functions too), except under
+    `if TYPE_CHECKING:` and except packages' __init__ files (what `from asyncrl.x import y`
+    passes through)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in PKG.rglob("*.py")
+               if p.name != "__init__.py"}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("asyncrl"):
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("asyncrl")]
+        else:
+            continue
+        out |= {n for n in names if n in modules}
+    return out
+
+
+def test_no_import_cycle_between_files():
+    """No two files import each other, directly or through others (lazy imports inside
+    functions count: a cycle is a design knot whether or not Python resolves it)."""
+    import graphlib
+
+    graph = {".".join(p.relative_to(ROOT).with_suffix("").parts): _module_imports(p)
+             for p in PKG.rglob("*.py") if p.name != "__init__.py"}
+    for module, deps in graph.items():
+        deps.discard(module)
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as err:
+        pytest.fail(f"import cycle: {' -> '.join(err.args[1])}")

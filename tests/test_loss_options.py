@@ -105,6 +105,11 @@ def test_constant_normaliser_by_hand_and_split_into_micro_batches():
     assert unit == "sequences" and int(n) == 3
     whole = aggregate(loss, mask, n, "seq_mean_token_sum_norm", horizon=4)
     assert float(whole) == pytest.approx((1 + 2 + 3 + 12) / (3 * 4))
+    # TRL's dr_grpo: masked sum / (batch x max_completion_length), the same number; verl's
+    # seq-mean-token-sum-norm: masked sum / horizon, the batch's sequence count times it
+    masked = (loss * mask).sum()
+    assert float(whole) == pytest.approx(float(masked / (loss.shape[0] * 4)))
+    assert float(masked / 4) == pytest.approx(3 * float(whole))
     parts = sum(aggregate(loss[i:i + 1], mask[i:i + 1], n, "seq_mean_token_sum_norm",
                           horizon=4) for i in range(3))
     assert float(parts) == pytest.approx(float(whole))

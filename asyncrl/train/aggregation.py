@@ -18,8 +18,10 @@ micro-batch of the step and every data-parallel rank):
                          sequences with >= 1 loss token (verl's seq-mean-token-sum). Pass
                          num_sequences * max_response_len instead for Dr.GRPO's constant.
 - "seq_mean_token_sum_norm": that, divided by the constant `horizon` too: the step divides by
-                         sequences x horizon (Dr.GRPO's batch x max length, verl's
-                         seq-mean-token-sum-norm), so no length enters the normaliser.
+                         sequences x horizon (Dr.GRPO's batch x max length; equal to TRL's
+                         `loss_type="dr_grpo"`), so no length enters the normaliser. verl's
+                         seq-mean-token-sum-norm divides by the horizon only: on the same
+                         tensors its value is the sequence count times this one.
 
 Token mode is shape-agnostic (any [B, T] or packed [N]). The sequence modes read sequences off
 the last dimension of a padded [B, T] layout, or, for a packed [N] micro-batch, off `seq_id` [N]
