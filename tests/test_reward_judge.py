@@ -18,7 +18,7 @@ from asyncrl import Trainer
 from asyncrl.launch.judge_engine import engine_judge, open_run_reward
 from asyncrl.reward.call import RewardError, call_reward
 from asyncrl.reward.judge import JudgeReplyError, JudgeReward, judge_messages, parse_score
-from asyncrl.reward.judge_config import JudgeRewardConfig
+from asyncrl.reward.judge import JudgeRewardConfig
 from asyncrl.reward.config import open_reward
 
 pytestmark = pytest.mark.usefixtures("one_thread")

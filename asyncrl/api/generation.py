@@ -64,6 +64,15 @@ class GenerationConfig:
             check_range("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX)
 
     def replace(self, **changes: Any) -> GenerationConfig:
+        """Returns a copy with `changes` applied; this config is left as it is.
+
+        Args:
+            **changes: new values by field name, e.g. `replace(n_samples=1, seed=7)`.
+
+        Raises:
+            ValueError: a new value is out of range (the message names the field).
+            TypeError: a name is not a field of GenerationConfig.
+        """
         return dataclasses.replace(self, **changes)
 
 
@@ -116,8 +125,10 @@ class ModelResponse:
 
     @property
     def input_len(self) -> int:
+        """Returns the number of prompt tokens (`len(input_tokens)`)."""
         return len(self.input_tokens)
 
     @property
     def output_len(self) -> int:
+        """Returns the number of generated tokens (`len(output_tokens)`)."""
         return len(self.output_tokens)

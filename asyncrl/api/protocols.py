@@ -25,9 +25,27 @@ class InferenceEngine(Protocol):
     """Generates tokens: what a workflow, an agent proxy or an evaluation is handed (the
     built-in engine, the remote HTTP client, a test double)."""
 
-    async def agenerate(self, req: ModelRequest) -> ModelResponse: ...
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generates one sequence for `req`.
 
-    def get_version(self) -> int: ...
+        Args:
+            req: the prompt's token ids and its sampling settings; one request is one sequence,
+                so `req.gconfig.n_samples` is 1 (issue one request per sample).
+
+        Returns:
+            The response: every output token with the logprob it was sampled with and the policy
+            version that produced it. A generation cut short (a weight update, a pause, an
+            interrupt) returns its partial output with `stop_reason` ABORT.
+
+        Raises:
+            ValueError: the engine cannot serve the request as it is (e.g. the prompt plus
+                `max_new_tokens` exceed its context, token ids out of its vocabulary).
+            EpisodeSuspended: inside an episode the executor suspends for a checkpoint; let it
+                propagate.
+        """
+
+    def get_version(self) -> int:
+        """Returns the policy version of the weights the engine serves now."""
 
 
 @runtime_checkable
@@ -133,14 +151,23 @@ class Evaluator(Protocol):
     own evaluation; otherwise the trainer runs the workflow once per row and averages rewards."""
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
-        ...
+        """Scores the policy behind `engine` on `rows`.
+
+        Args:
+            engine: the engine serving the current policy.
+            rows: the held-out data rows (the same shape as the training rows).
+
+        Returns:
+            The report: `score` is the headline (higher is better), `metrics` are logged.
+        """
 
 
 @runtime_checkable
 class ReportsMetrics(Protocol):
     """A workflow or a reward with `metrics()` has them logged after every training step."""
 
-    def metrics(self) -> dict[str, float]: ...
+    def metrics(self) -> dict[str, float]:
+        """Returns the values to log now, by metric name."""
 
 
 @runtime_checkable
@@ -185,4 +212,16 @@ class AgentProgram(Protocol):
     rewards the last completion; a dict maps completion ids to rewards.
     """
 
-    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float | dict[str, float]: ...
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> float | dict[str, float]:
+        """Runs the agent on one data row against the endpoint it is given.
+
+        Args:
+            data: the data row (e.g. `data["messages"]`, `data["answer"]`).
+            **extra_kwargs: `base_url` and `api_key` of this run's session, and, when the agent
+                runs on the rollout event loop, a shared async `http_client`.
+
+        Returns:
+            The reward: a float for the last completion, or a dict mapping completion ids to
+            rewards. An `AgentWorkflow` with a reward function also takes None: it then scores
+            the session's last reply itself.
+        """

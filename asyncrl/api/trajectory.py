@@ -30,6 +30,17 @@ class RolloutStatus(str, Enum):
 
 @dataclass
 class Sample:
+    """One training sequence: prompt and generated tokens, with per-token training data.
+
+    `loss_mask`, `logprobs`, `versions` (and `token_rewards`, `routes` when set) are aligned with
+    `input_ids`; a token trained on (`loss_mask` 1) carries the policy version that sampled it.
+    `from_prompt_and_completion` builds one from a single generation.
+
+    Raises:
+        ValueError: a per-token list's length differs from `len(input_ids)`, or a token trained
+            on has a version below 0.
+    """
+
     input_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
@@ -92,6 +103,7 @@ class Sample:
 
     @property
     def num_generated(self) -> int:
+        """Returns the number of generated tokens: those with `loss_mask` 1 (trained on)."""
         return sum(self.loss_mask)
 
     @property
@@ -102,11 +114,13 @@ class Sample:
 
     @property
     def tail_version(self) -> int:
+        """Newest policy version among generated tokens (-1 when nothing was generated)."""
         gen = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return max(gen) if gen else PROMPT_VERSION
 
     @property
     def truncated(self) -> bool:
+        """Returns True when generation stopped at a length limit (`StopReason.LENGTH`)."""
         return self.stop_reason == StopReason.LENGTH
 
 
@@ -124,10 +138,13 @@ class Trajectory:
 
     @property
     def rewards(self) -> list[float]:
+        """Returns each sample's reward, in the order of `samples`."""
         return [s.reward for s in self.samples]
 
     @property
     def head_version(self) -> int:
+        """Oldest policy version among the generated tokens of every sample (-1 when no sample
+        has a generated token)."""
         versions = [s.head_version for s in self.samples if s.num_generated]
         return min(versions) if versions else PROMPT_VERSION
 

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from asyncrl.reward.judge_config import JudgeRewardConfig
+from asyncrl.reward.judge import JudgeRewardConfig
 from asyncrl.reward.config import open_reward
 
 

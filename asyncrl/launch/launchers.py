@@ -17,7 +17,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import pydantic
 
@@ -26,7 +26,9 @@ from asyncrl.plugins import Registry
 
 if TYPE_CHECKING:
     from asyncrl.inference.backend_protocol import ServerCommand
-    from asyncrl.launch.train import TrainJob, TrainResult
+
+Job = TypeVar("Job")  # what `entry` runs (a training job: launch/train.py's TrainJob)
+Result = TypeVar("Result")  # what it returns (rank 0's)
 
 # make(api_key, host) -> the ServerCommand of one server (called once per server)
 MakeCommand = Callable[[str, str], "ServerCommand"]
@@ -43,7 +45,10 @@ class ServerFleet(Protocol):
 
 
 class Launcher(Protocol):
-    def run(self, job: TrainJob, entry: Callable[[TrainJob], TrainResult]) -> TrainResult: ...
+    def run(self, job: Job, entry: Callable[[Job], Result]) -> Result:
+        """`entry(job)` where the job belongs (here, or once per rank on a cluster); rank 0's
+        result."""
+
 
     def servers(self, make: MakeCommand, count: int, log_dir: Path,
                 startup_timeout_s: float) -> contextlib.AbstractContextManager[ServerFleet]: ...
@@ -62,7 +67,7 @@ class LocalLauncher:
                  server_cpus: Sequence[int] | None = None) -> None:
         self.trainer_cpus, self.server_cpus = trainer_cpus, server_cpus
 
-    def run(self, job: TrainJob, entry: Callable[[TrainJob], TrainResult]) -> TrainResult:
+    def run(self, job: Job, entry: Callable[[Job], Result]) -> Result:
         if self.trainer_cpus:  # under torchrun, every rank's process gets here
             from asyncrl.errors import UserError
 

@@ -30,8 +30,7 @@ from asyncrl.errors import JobFailed, UserError
 from asyncrl.launch.ray_servers import RayServers, node_address, record_placement
 
 if TYPE_CHECKING:
-    from asyncrl.launch.launchers import MakeCommand, RayLauncherConfig
-    from asyncrl.launch.train import TrainJob, TrainResult
+    from asyncrl.launch.launchers import Job, MakeCommand, RayLauncherConfig, Result
 
 CWD_ENV = "ASYNCRL_RAY_CWD"  # the driver's working directory
 # what every Ray worker of the job needs from the driver's environment
@@ -51,8 +50,8 @@ class TrainerRank:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
-    def run(self, entry: Callable[[TrainJob], TrainResult], job: TrainJob,
-            env: dict[str, str]) -> TrainResult:
+    def run(self, entry: Callable[[Job], Result], job: Job,
+            env: dict[str, str]) -> Result:
         os.environ.update(env)
         # relative paths of the config (model, data, run dir) mean what they meant to the driver
         # (the nodes share its file system: checkpoints are written by every rank)
@@ -70,7 +69,7 @@ class RayLauncher:
     def __init__(self, cfg: RayLauncherConfig) -> None:
         self.cfg = cfg
 
-    def run(self, job: TrainJob, entry: Callable[[TrainJob], TrainResult]) -> TrainResult:
+    def run(self, job: Job, entry: Callable[[Job], Result]) -> Result:
         """On the driver: `entry(job)` in one actor per rank; rank 0's result."""
         try:
             import ray
@@ -97,13 +96,13 @@ class RayLauncher:
 
 
 class _TrainerGroup:
-    def __init__(self, ray: Any, cfg: RayLauncherConfig, job: TrainJob,
-                 entry: Callable[[TrainJob], TrainResult]) -> None:
+    def __init__(self, ray: Any, cfg: RayLauncherConfig, job: Job,
+                 entry: Callable[[Job], Result]) -> None:
         self.ray, self.cfg, self.job, self.entry = ray, cfg, job, entry
         self.pg: Any = None
         self.actors: list[Any] = []
 
-    def run(self) -> TrainResult:
+    def run(self) -> Result:
         ray, cfg = self.ray, self.cfg
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -145,7 +144,7 @@ class _TrainerGroup:
                 "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": addr,
                 "MASTER_PORT": str(port)}
 
-    def _wait(self, refs: list[Any]) -> TrainResult:
+    def _wait(self, refs: list[Any]) -> Result:
         from ray.exceptions import RayActorError, RayTaskError
 
         pending = list(refs)

@@ -12,6 +12,18 @@ from asyncrl.train.config import OptimizerConfig, SFTConfig, TrainEngineConfig
 
 
 class SFTRunConfig(Config):
+    """The configuration of a supervised fine-tuning run: `asyncrl sft`, and the warm start
+    `asyncrl train` runs first when `model.path` is unset (its `warm_start` section). Sets the
+    model to start from (a path, the embedded tiny model, or a `base` warm start to continue),
+    the data, the training engine, the SFT steps and the output directory.
+
+    `SFTRunConfig.load(path, overrides)` reads the YAML file at `path` (None: the defaults) and
+    applies dotted `key.sub=value` overrides (values parsed as YAML); `from_dict(data)` lays a
+    dict over the defaults. Unknown keys (with a did-you-mean hint), out-of-range values and
+    contradicting settings (both `base` and `model.path`) raise `ConfigError`, a ValueError
+    whose message names the field.
+    """
+
     model: ModelConfig = ModelConfig()
     tiny: TinyModelConfig = TinyModelConfig()  # used when model.path is None
     data: DatasetConfig = pydantic.Field(default_factory=ArithmeticTaskConfig)

@@ -143,6 +143,22 @@ def _default_generation() -> GenerationConfig:
 
 
 class TrainRunConfig(Config):
+    """The configuration of a training run (`asyncrl train`, `Trainer`): model, warm start,
+    data, reward, workflow, sampling, rollout, actor and its loss, trainer engine, critic,
+    inference engines, evaluation, logging, watchdog, run length, checkpoints and launcher.
+
+    `TrainRunConfig.load(path, overrides)` reads the YAML file at `path` (None: the defaults)
+    and applies dotted `key.sub=value` overrides (values parsed as YAML), e.g.
+    `TrainRunConfig.load("configs/train_tiny.yaml", ["train.optimizer.lr=1e-5"])`;
+    `from_dict(data)` lays a dict over the defaults, so a section given in part keeps its
+    other values. Modules listed in `plugins` are imported first, so the kinds they register
+    can be named.
+
+    Unknown keys (with a did-you-mean hint), out-of-range values and settings that contradict
+    each other raise `ConfigError`, a ValueError whose message names the field, the bad value
+    and what is allowed; a missing YAML file or a malformed override raises it too.
+    """
+
     # modules imported before the rest is read: they register kinds of their own (a reward,
     # a backend, ...) that the sections below may name
     plugins: list[str] = []

@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
+    """What `Trainer.train` returns: the run directory, the policy updates done, training and
+    wall seconds, the evaluation scores (the first, the last, and (step, training seconds,
+    score) per evaluation; None without evaluations) and why the run stopped: "total_steps",
+    "max_train_seconds" or "interrupted". A trainer rank other than the first gets only
+    `run_dir`."""
+
     run_dir: Path
     steps: int = 0
     train_seconds: float = 0.0

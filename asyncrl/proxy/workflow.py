@@ -34,6 +34,21 @@ log = logging.getLogger(__name__)
 
 
 class AgentWorkflow:
+    """Trains an agent program (`workflow: agent`): one agent run is one proxy session, and the
+    completions the agent asked the proxy for become the episode's samples.
+
+    Args:
+        agent: the agent: an object with `async def run(data, **extra_kwargs)`, its class
+            (instantiated with `cfg.init_kwargs`) or a dotted path to either.
+        proxy: the OpenAI-compatible proxy server the agent talks to; started on first use.
+        cfg: how the agent runs (inline or in a process pool, timeout, export style).
+        eval_concurrency: the most agent runs `aevaluate` keeps in flight.
+        reward_fn: scores the session's last reply when the agent returns None.
+
+    Raises:
+        ValueError: `agent` has no `async def run`.
+    """
+
     def __init__(self, agent: Any, proxy: ProxyServer, cfg: AgentConfig | None = None,
                  eval_concurrency: int = 256, reward_fn: RewardFn | None = None) -> None:
         """`reward_fn`: scores the session's last reply against the row when the agent returns
@@ -48,6 +63,15 @@ class AgentWorkflow:
         self._starting: asyncio.Lock | None = None
 
     async def ensure_started(self) -> str:
+        """Starts the proxy server unless it is running; concurrent callers start it once.
+
+        Returns:
+            The proxy's OpenAI base URL, `http://host:port/v1`.
+
+        Raises:
+            RuntimeError: the proxy server exited before it started; an error the server
+                raises while starting propagates as it is.
+        """
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:
@@ -57,6 +81,27 @@ class AgentWorkflow:
         return self.proxy.base_url
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
+        """Runs the agent once on `data` in a new proxy session and exports what it generated.
+
+        The agent's result is the session's reward (a float for the last completion, a dict by
+        completion id); the session's completions become samples as `cfg.export_style` says.
+
+        Args:
+            engine: the engine the proxy forwards to (the proxy holds its own reference; this
+                argument is not used).
+            data: the data row handed to the agent's `run`.
+
+        Returns:
+            One trajectory with the session's samples; `group_id` is the row's `id`.
+
+        Raises:
+            EpisodeRejected: the agent raised, ran past `cfg.timeout_s`, returned a result of
+                the wrong type or naming unknown completions, or made no completion; or it
+                returned None and there is no `reward_fn`. Each is counted by kind in
+                `metrics`.
+            CapacityError: the proxy has no room for another session now.
+            RewardError: `reward_fn` raised or returned a value that is not a finite float.
+        """
         return (await self._episode(data))[0]
 
     async def _episode(self, data: dict[str, Any]) -> tuple[Trajectory, float]:
@@ -139,5 +184,7 @@ class AgentWorkflow:
                           f", tool calls in {used_tools / n:.0%}, rejected {rejected / n:.0%}")
 
     async def aclose(self) -> None:
+        """Closes the agent runner (its HTTP client, its process pool, and an inline agent's
+        own `aclose`), then stops the proxy server."""
         await self.runner.aclose()
         await self.proxy.stop()

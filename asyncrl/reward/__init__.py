@@ -7,7 +7,7 @@
 - `config`, `registry`: rewards by name or typed config for configs and the CLI (`exact`,
   `digits`, `math`, `code`, a dotted path, `trl:<path>`, `{kind: judge, ...}`), each opened as a
   context manager (`open_reward`).
-- `judge`, `judge_config`: a model-judged reward; `trl_adapter`: TRL GRPOTrainer reward functions.
+- `judge`: a model-judged reward and its config; `trl_adapter`: TRL GRPOTrainer reward functions.
 - `returns`: discounted returns over turns, shared by multi-turn workflows and proxy sessions.
 - `pool`, `pooled`, `sandbox`, `sandbox_launcher`: running rewards in worker processes / a sandbox.
 

@@ -40,7 +40,7 @@ from asyncrl.errors import UserError
 from asyncrl.imports import import_object
 from asyncrl.plugins import Registry
 from asyncrl.reward.call import RewardFn
-from asyncrl.reward.judge_config import JudgeRewardConfig
+from asyncrl.reward.judge import JudgeRewardConfig
 from asyncrl.reward.sandbox import SandboxLimits
 
 TRL_PREFIX = "trl:"

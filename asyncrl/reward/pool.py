@@ -108,6 +108,21 @@ class _Worker:
 
 
 class RewardPool:
+    """A process pool that runs reward functions which may hang, crash or need a main thread.
+
+    Each call runs in an idle worker process; a call that does not answer within
+    `config.timeout_seconds` has its worker's process group killed and scores 0.0, and a
+    replacement worker starts in the background. A function that raises or crashes its worker
+    scores 0.0 too, counted and logged. Use it as a context manager, or call `close`.
+
+    Args:
+        config: worker count, timeout, start method and modules to preload (None: defaults).
+
+    Raises:
+        RuntimeError: a worker did not start within `config.startup_timeout_seconds` or failed
+            to import a `config.preload` module.
+    """
+
     def __init__(self, config: RewardPoolConfig | None = None):
         self.config = config or RewardPoolConfig()
         self._context = multiprocessing.get_context(self.config.start_method)
@@ -138,12 +153,48 @@ class RewardPool:
     # -- calls -----------------------------------------------------------------------------
 
     async def score(self, fn: Callable[..., float], *args: Any, **kwargs: Any) -> RewardOutcome:
+        """Scores `fn(*args, **kwargs)` in a worker without blocking the event loop (the wait
+        runs in a thread); otherwise as `score_sync`.
+
+        Args:
+            fn: the reward function; it and its arguments must pickle (a module-level function,
+                plain data). It returns a float, or a (float, note) pair.
+            *args: positional arguments for `fn`.
+            **kwargs: keyword arguments for `fn`.
+
+        Returns:
+            The outcome: score, status (ok, timeout, error, crashed), latency and any error.
+
+        Raises:
+            RewardPoolClosed: the pool was closed before or during the call.
+            RuntimeError: the pool can no longer start workers.
+        """
         if self._closed:
             raise RewardPoolClosed("RewardPool is closed")
         call = functools.partial(self.score_sync, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     def score_sync(self, fn: Callable[..., float], *args: Any, **kwargs: Any) -> RewardOutcome:
+        """Scores `fn(*args, **kwargs)` in a worker, blocking until it answers or times out.
+
+        Waits for an idle worker first. A timeout, an exception in `fn`, a result that is not a
+        finite float, or a crashed worker scores 0.0 with the matching status; none raises.
+
+        Args:
+            fn: the reward function; it and its arguments must pickle (a module-level function,
+                plain data). It returns a float, or a (float, note) pair.
+            *args: positional arguments for `fn`.
+            **kwargs: keyword arguments for `fn`.
+
+        Returns:
+            The outcome: score, status (ok, timeout, error, crashed), latency and any error.
+
+        Raises:
+            RewardPoolClosed: the pool was closed before or during the call.
+            RuntimeError: the pool can no longer start workers (restarts failed).
+            pickle.PicklingError, AttributeError, TypeError: `fn` or its arguments do not
+                pickle (raised as pickle raises it).
+        """
         start = time.monotonic()
         while True:
             worker = self._acquire()
@@ -182,6 +233,8 @@ class RewardPool:
         return self._finish(start, None, RewardStatus.OK, None, score, note)
 
     def stats(self) -> RewardPoolStats:
+        """Returns the counts since the pool started: calls, timeouts, errors, crashes, worker
+        restarts, and the mean latency of a call in seconds (0.0 before the first)."""
         with self._lock:
             calls = self._counts["calls"]
             mean = self._latency_total / calls if calls else 0.0

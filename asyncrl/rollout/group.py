@@ -16,7 +16,7 @@ import asyncio
 import logging
 from typing import Any
 
-from asyncrl.api import (EpisodeRejected, EpisodeSuspended, EvalReport, Evaluator,
+from asyncrl.api import (Closable, EpisodeRejected, EpisodeSuspended, EvalReport, Evaluator,
                          InferenceEngine, ReportsMetrics, RolloutWorkflow, Trajectory)
 from asyncrl.rollout.episode_eval import EpisodeEvaluator
 from asyncrl.rollout.rejections import RejectionLog
@@ -25,6 +25,18 @@ log = logging.getLogger(__name__)
 
 
 class GroupedWorkflow:
+    """Makes a group for GRPO-style baselines out of a workflow that returns one episode at a
+    time: each episode runs the inner workflow `n` times on the same row.
+
+    Args:
+        inner: the workflow to repeat.
+        n: episodes per group (>= 1).
+        min_size: the fewest surviving episodes that still form a group (1 <= min_size <= n).
+
+    Raises:
+        ValueError: `n` or `min_size` is out of range.
+    """
+
     def __init__(self, inner: RolloutWorkflow, n: int, min_size: int = 2) -> None:
         if n < 1:
             raise ValueError(f"n={n} is out of range; allowed [1, inf)")
@@ -34,6 +46,26 @@ class GroupedWorkflow:
         self.failures = RejectionLog(log)  # episodes lost from groups that still trained
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory | None:
+        """Runs the inner workflow `n` times concurrently on `data` and joins the results.
+
+        An episode that raises or returns None leaves the group smaller; losses in a group that
+        still trains are logged, rate-limited.
+
+        Args:
+            engine: the engine the inner episodes generate with.
+            data: the data row, passed to every inner episode.
+
+        Returns:
+            One trajectory holding the samples of every surviving episode (`group_id`: the
+            row's `id`, `metadata["episodes"]`: how many survived), or None when fewer than
+            `min_size` survived and none failed (they were all rejected by returning None).
+
+        Raises:
+            EpisodeRejected: fewer than `min_size` episodes survived and at least one raised;
+                the message gives the first failure, which is also the cause.
+            EpisodeSuspended: an inner episode was suspended for a checkpoint (the whole group
+                is); cancellation propagates the same way.
+        """
         results = await asyncio.gather(
             *(self.inner.arun_episode(engine, data) for _ in range(self.n)), return_exceptions=True)
         trajs, failures = [], []
@@ -60,16 +92,27 @@ class GroupedWorkflow:
                           metadata={"episodes": len(trajs)})
 
     async def aevaluate(self, engine: InferenceEngine, rows: list[dict[str, Any]]) -> EvalReport:
+        """Evaluates the inner workflow: its own `aevaluate` when it has one, else one inner
+        episode per row, scored by mean reward (a failed or rejected episode scores 0).
+
+        Args:
+            engine: the engine serving the policy to evaluate.
+            rows: the held-out data rows.
+
+        Returns:
+            The inner workflow's evaluation report.
+        """
         inner = self.inner if isinstance(self.inner, Evaluator) else EpisodeEvaluator(self.inner)
         return await inner.aevaluate(engine, rows)
 
     def metrics(self) -> dict[str, float]:
+        """Returns the inner workflow's metrics, or {} when it reports none."""
         return self.inner.metrics() if isinstance(self.inner, ReportsMetrics) else {}
 
     async def aclose(self) -> None:
-        close = getattr(self.inner, "aclose", None)
-        if close is not None:
-            await close()
+        """Closes the inner workflow when it is `Closable`; otherwise does nothing."""
+        if isinstance(self.inner, Closable):
+            await self.inner.aclose()
 
 
 def _describe(err: BaseException) -> str:

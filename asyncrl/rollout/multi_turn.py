@@ -43,6 +43,22 @@ class MultiTurnConfig(Config):
 
 
 class MultiTurnWorkflow:
+    """Multi-turn answering with feedback (`workflow: multi_turn`): the model answers, a wrong
+    answer gets `cfg.wrong_feedback` as the next user turn, and it tries again, up to
+    `cfg.max_turns` answers. One training sequence holds every turn.
+
+    Args:
+        reward_fn: `reward(completion_text, row) -> float`, sync or async; a score >= 1.0
+            is a right answer and ends the episode.
+        gconfig: the sampling settings of each turn (`n_samples` is set to 1 and the
+            tokenizer's EOS is added to the stop tokens).
+        tokenizer: the model's tokenizer (chat template, decoding).
+        cfg: turns, discount, reward shaping and feedback texts (None: the defaults).
+        eval_cfg: how `aevaluate` scores held-out rows (None: the defaults).
+        chat: the model's chat options: template variables and reasoning parser.
+        context_length: the longest sequence the engines take; None: no limit known.
+    """
+
     def __init__(self, reward_fn: RewardFn, gconfig: GenerationConfig, tokenizer: Any,
                  cfg: MultiTurnConfig | None = None, eval_cfg: EvalConfig | None = None,
                  chat: ChatOptions | None = None, context_length: int | None = None) -> None:
@@ -63,11 +79,40 @@ class MultiTurnWorkflow:
         return result.report()
 
     def feedback_ids(self, text: str) -> list[int]:
+        """Returns the token ids that follow the model's end-of-turn token to give it feedback:
+        a newline, then the chat template's rendering of a user message `text` followed by the
+        assistant generation prompt.
+
+        Args:
+            text: the feedback, e.g. `cfg.wrong_feedback`.
+        """
         rendered = "\n" + render_chat(self.tokenizer, [{"role": "user", "content": text}],
                                       template_kwargs=self.chat.template_kwargs())
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> Trajectory:
+        """Runs one conversation: answer, check, feedback, answer again.
+
+        It ends at a right answer, after `cfg.max_turns` answers, or when the next turn could
+        overflow `context_length`. Generated tokens are trained on; prompt and feedback tokens
+        are not. Turn t's reward is ((success - 0.5) * 2 - reward_bias) * reward_scaling, and
+        the sample's reward is the discounted return of the first turn.
+
+        Args:
+            engine: the engine to generate with.
+            data: the data row: `messages` (the chat prompt), `id`, and the fields the reward
+                reads (e.g. `answer`).
+
+        Returns:
+            One trajectory with one sample: the whole conversation, with `token_rewards`
+            holding each turn's reward on its last generated token, and `metadata` holding
+            `turns`, `turn_rewards`, `turn_returns` and the last `completion_text`.
+
+        Raises:
+            ValueError: the engine refuses a request (e.g. the prompt is too long).
+            RewardError: the reward function raised or returned a value that is not a finite
+                float.
+        """
         kwargs = self.chat.template_kwargs()
         ids = encode_chat_prompt(self.tokenizer, data["messages"], template_kwargs=kwargs)
         mask, logps, vers = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)

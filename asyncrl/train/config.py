@@ -174,6 +174,17 @@ class CriticConfig(TrainEngineConfig):
 
 
 class PPOLossConfig(Config):
+    """The settings of the built-in policy loss (`PPOLoss`, decoupled PPO): clip range,
+    behaviour importance weights, ratio level, objective, loss aggregation, entropy and KL terms.
+
+    In a run it is the `actor.ppo` section of `TrainRunConfig`, loaded with the rest of it.
+    Standalone: `PPOLossConfig(eps_clip=0.2)`, or `PPOLossConfig.from_dict(data)` (`data` laid
+    over the defaults). Unknown keys, out-of-range values and settings that contradict each
+    other (e.g. `behav_imp_weight_mode: icepop` without `behav_imp_weight_cap`) raise
+    ValueError naming the field: `ConfigError` from `from_dict` / `load`,
+    `pydantic.ValidationError` from the constructor.
+    """
+
     # PPO clip range of the policy ratio: [1 - eps, 1 + eps]
     eps_clip: float = pydantic.Field(0.2, gt=0.0, lt=1.0)
     # DAPO clip-higher: a wider upper bound lets low-probability tokens grow (keeps entropy up).
@@ -218,6 +229,7 @@ class PPOLossConfig(Config):
 
     @property
     def clip_high(self) -> float:
+        """Returns the upper clip range: `eps_clip_higher` when set, else `eps_clip`."""
         return self.eps_clip if self.eps_clip_higher is None else self.eps_clip_higher
 
     @property
@@ -320,8 +332,8 @@ class AdvantageConfig(Config):
 class ProximalConfig(Config):
     # the proximal policy's logprobs: interpolated between behaviour and current by version
     # (loglinear: no extra forward pass), a forward pass before the step (recompute), or the
-    # behaviour's (naive PPO). loglinear and behaviour held eta = 0's accuracy at eta 4 and 8 in
-    # the staleness ablation; every recomputed variant lost 6-16 points (README).
+    # behaviour's (naive PPO); how each fares at eta 4 and 8: the staleness ablation's record
+    # (benchmarks/results/staleness_ablation*.json).
     proximal_logprobs: ProximalSource = "loglinear"
 
     @property
