@@ -9,8 +9,11 @@ the CLI's choices all read the registry, so a new kind is one config class and o
 line, in the package or in the user's own code: `plugins: [my_pkg.plugins]` in a run config
 imports such modules before the rest of the config is read.
 
-A plugin config declares what it supports as class attributes (a backend: its weight transports,
-LoRA, the server versions tested), and the validators read those declarations.
+Each registry has a base class every kind's config derives from (a run config's field is typed
+as it, so a validator reads any kind's declarations as attributes): a plugin config declares what
+it supports as class attributes of that base (a backend: its weight transports, LoRA, the server
+versions tested, images; a dataset: whether its rows carry images), and `register` refuses a class
+that leaves one unmade.
 """
 
 from __future__ import annotations
@@ -30,17 +33,29 @@ Shorthand = Callable[[str], Mapping[str, Any]]
 class Registry(Generic[P]):
     """The kinds of one pluggable thing (`what` names it in errors: "reward", "dataset")."""
 
-    def __init__(self, what: str, *, shorthand: Shorthand | None = None,
-                 default_kind: str | None = None,
+    def __init__(self, what: str, *, base: type[P] = Config,  # type: ignore[assignment]
+                 shorthand: Shorthand | None = None, default_kind: str | None = None,
                  infer_kind: Callable[[Mapping[str, Any]], str | None] | None = None) -> None:
-        self.what = what
+        """`base`: the class every kind's config derives from (what a run config's field of this
+        kind is typed as); its class attributes annotated without a value are declarations each
+        kind must make."""
+        self.what, self.base = what, base
         self._shorthand = shorthand  # a string that is not a kind name -> the mapping it means
         self._default_kind = default_kind  # the kind of a mapping without one
         self._infer_kind = infer_kind  # or the kind its keys imply
         self._classes: dict[str, type[P]] = {}
 
     def register(self, cls: type[P]) -> type[P]:
-        """Add `cls` under every name its `kind: Literal[...]` field allows (a decorator)."""
+        """Add `cls` under every name its `kind: Literal[...]` field allows (a decorator).
+        TypeError if it does not derive from `base` or leaves a declaration of it unmade."""
+        if not (isinstance(cls, type) and issubclass(cls, self.base)):
+            raise TypeError(f"a {self.what} config must derive from {self.base.__module__}."
+                            f"{self.base.__qualname__}; {cls!r} does not")
+        missing = [name for name in getattr(self.base, "__annotations__", {})
+                   if name in self.base.__class_vars__ and not hasattr(cls, name)]
+        if missing:
+            raise TypeError(f"{cls.__qualname__} does not declare {missing} (class attributes "
+                            f"every {self.what} kind sets: see {self.base.__qualname__})")
         field = cls.model_fields.get("kind")
         names = get_args(field.annotation) if field is not None else ()
         if not names or not all(isinstance(n, str) for n in names):
@@ -97,7 +112,7 @@ class Registry(Generic[P]):
 
     def field(self) -> Any:
         """The annotation of a run-config field of this kind."""
-        return Annotated[Config, SpellOut(self.spell_out),
+        return Annotated[self.base, SpellOut(self.spell_out),
                          pydantic.BeforeValidator(self._validate), pydantic.PlainSerializer(_dump)]
 
     def _validate(self, value: Any) -> P:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
 from asyncrl.config import Config
+from asyncrl.inference.backend_protocol import BackendKind
 from asyncrl.inference.backends import BACKENDS, AsyncrlBackend
 from asyncrl.reward.config import REWARDS
 
@@ -37,7 +38,7 @@ class PollingBackend(AsyncrlBackend):
 
 
 @BACKENDS.register
-class PollingBackendConfig(Config):
+class PollingBackendConfig(BackendKind):
     """`asyncrl serve` servers driven by PollingBackend; weights reach them as directories."""
 
     kind: Literal["polling"] = "polling"  # the backend
@@ -45,6 +46,7 @@ class PollingBackendConfig(Config):
     lora: ClassVar[bool] = False
     untied_head: ClassVar[bool] = False
     tested: ClassVar[str] = "asyncrl serve of this release"
+    images: ClassVar[bool] = False
     commands: ClassVar[list[list[str]]] = []  # what the job started (the test reads it)
 
     def build(self, model: str | None = None, lora: Any = None) -> PollingBackend:

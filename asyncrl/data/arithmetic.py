@@ -17,7 +17,8 @@ from typing import Literal, NamedTuple
 
 import pydantic
 
-from asyncrl.config import Config, ConfigError
+from asyncrl.config import ConfigError
+from asyncrl.data.kind import DatasetKind
 from asyncrl.data.split import Row, fill_prompt, make_row, require_placeholder, text_id
 
 Operator = Literal["+", "-", "*"]
@@ -28,7 +29,7 @@ SIGN = {"+": 1, "-": -1}
 ENUMERATE_LIMIT = 200_000
 
 
-class ArithmeticTaskConfig(Config):
+class ArithmeticTaskConfig(DatasetKind):
     # the synthetic task: arithmetic expressions with a numeric answer
     # the dataset (DATASETS: arithmetic | arithmetic_submit | chain | counting | gsm8k | jsonl | parquet | hf)
     kind: Literal["arithmetic"] = "arithmetic"

@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 import pydantic
 
-from asyncrl.config import Config
 from asyncrl.data.arithmetic import ArithmeticTask, ArithmeticTaskConfig
+from asyncrl.data.kind import DatasetKind
 from asyncrl.data.split import Row
 
 CORRECT, WRONG, DONE = "correct", "wrong", "Done."
@@ -51,7 +51,7 @@ def verdict_reward(text: str, data: dict[str, Any]) -> float:
     return 1.0 if data.get("tool_results", [])[:1] == [CORRECT] else 0.0
 
 
-class ArithmeticSubmitTaskConfig(Config):
+class ArithmeticSubmitTaskConfig(DatasetKind):
     # sums answered and submitted to a remote grader with the `submit` tool (the workflow: kind
     # tool_calls, tools {submit: asyncrl.data.arithmetic_submit:submit}, schemas null)
     # the dataset (DATASETS: arithmetic | arithmetic_submit | chain | counting | gsm8k | jsonl | parquet | hf)

@@ -19,11 +19,12 @@ from typing import Literal
 
 import pydantic
 
-from asyncrl.config import Config, ConfigError
+from asyncrl.config import ConfigError
+from asyncrl.data.kind import DatasetKind
 from asyncrl.data.split import Row, fill_prompt, make_row, require_placeholder, text_id
 
 
-class ChainTaskConfig(Config):
+class ChainTaskConfig(DatasetKind):
     # the dataset (DATASETS: arithmetic | arithmetic_submit | chain | counting | gsm8k | jsonl | parquet | hf)
     kind: Literal["chain"] = "chain"
     digits: int = pydantic.Field(2, ge=1, le=4, description="max digits per operand")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import pydantic
 
-from asyncrl.config import Config
+from asyncrl.data.kind import DatasetKind
 from asyncrl.data.split import Row, SplitRows
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220),
 BACKGROUND = (123, 117, 104)
 
 
-class CountingTaskConfig(Config):
+class CountingTaskConfig(DatasetKind):
     """Rendered counting scenes (the dataset kind for vision-language models)."""
 
     # the dataset (DATASETS: arithmetic | arithmetic_submit | chain | counting | gsm8k | jsonl | parquet | hf)

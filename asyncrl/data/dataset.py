@@ -3,7 +3,8 @@ whose `build()` returns its dataset.
 
 A YAML `data: {kind: gsm8k, path: ...}` validates into the matching config class; a mapping
 without `kind` is the embedded arithmetic task, so `data.num_train=200` on the command line tunes
-the default. A new source is one config class with `kind` and `build()`, and `DATASETS.register`.
+the default. A new source is one config class deriving from `DatasetKind` (data/kind.py) with
+`kind` and `build()`, and `DATASETS.register`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from asyncrl.data.counting import CountingTaskConfig
 from asyncrl.data.files import FileDatasetConfig
 from asyncrl.data.gsm8k import GSM8KConfig
 from asyncrl.data.hf import HFDatasetConfig
+from asyncrl.data.kind import DatasetKind
 from asyncrl.data.split import Row
 from asyncrl.plugins import Registry
 
@@ -31,9 +33,9 @@ class TaskDataset(Protocol):
     def eval_rows(self) -> list[Row]: ...
 
 
-DATASETS: Registry = Registry("dataset", default_kind="arithmetic")
-for _cls in (ArithmeticTaskConfig, ArithmeticSubmitTaskConfig, ChainTaskConfig, CountingTaskConfig, GSM8KConfig, FileDatasetConfig,
-             HFDatasetConfig):
+DATASETS: Registry = Registry("dataset", base=DatasetKind, default_kind="arithmetic")
+for _cls in (ArithmeticTaskConfig, ArithmeticSubmitTaskConfig, ChainTaskConfig, CountingTaskConfig,
+             GSM8KConfig, FileDatasetConfig, HFDatasetConfig):
     DATASETS.register(_cls)
 
 DatasetConfig = DATASETS.field()

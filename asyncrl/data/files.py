@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.data.gsm8k import LocalFileSource
+from asyncrl.data.kind import DatasetKind
 from asyncrl.data.records import RecordFields, records_to_rows
 from asyncrl.data.split import DatasetError, Row, SplitRows, split_rows
 
 BUILDER = {"jsonl": "json", "parquet": "parquet"}  # our kind -> `datasets` packaged builder
 
 
-class FileDatasetConfig(RecordFields, LocalFileSource):
+class FileDatasetConfig(DatasetKind, RecordFields, LocalFileSource):
     kind: Literal["jsonl", "parquet"]  # the file's format
 
     def build(self) -> SplitRows:

@@ -15,8 +15,17 @@ from typing import Any, Literal
 import pydantic
 
 from asyncrl.config import Config
-from asyncrl.data.split import (DatasetError, Row, SplitRows, ensure_ids, fill_prompt, make_row,
-                                require_placeholder, split_rows)
+from asyncrl.data.kind import DatasetKind
+from asyncrl.data.split import (
+    DatasetError,
+    Row,
+    SplitRows,
+    ensure_ids,
+    fill_prompt,
+    make_row,
+    require_placeholder,
+    split_rows,
+)
 
 MARKER = "####"
 COMMA_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
@@ -39,7 +48,7 @@ class LocalFileSource(Config):
         return require_placeholder(template, "{question}")
 
 
-class GSM8KConfig(LocalFileSource):
+class GSM8KConfig(DatasetKind, LocalFileSource):
     kind: Literal["gsm8k"] = "gsm8k"  # GSM8K-format JSONL ("#### N" answers)
     # the user message; {question} is replaced by the row's question
     prompt_template: str = "{question}\nPut the final answer after ####."

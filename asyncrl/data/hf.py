@@ -20,6 +20,7 @@ from typing import Any, Literal
 import pydantic
 
 from asyncrl.data.files import quiet_datasets
+from asyncrl.data.kind import DatasetKind
 from asyncrl.data.records import RecordFields, records_to_rows
 from asyncrl.data.split import DatasetError, Row, SplitRows, split_rows
 
@@ -28,7 +29,7 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv
 OFFLINE_VARS = ("HF_DATASETS_OFFLINE",)
 
 
-class HFDatasetConfig(RecordFields):
+class HFDatasetConfig(DatasetKind, RecordFields):
     kind: Literal["hf"] = "hf"  # anything datasets.load_dataset reads
     name: str = pydantic.Field(description="hub id (org/name) or a local directory or file")
     config: str | None = None  # the subset (load_dataset's second argument), e.g. "main"

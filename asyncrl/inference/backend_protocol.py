@@ -4,7 +4,7 @@ A `Backend` only translates: one generation segment -> one HTTP call, the reply 
 (tokens, logprobs, per-token versions, stop reason), a streamed event -> a `Delta`; plus the
 calls of its health, pause, resume, abort and weight-update routes, and the startup checks
 (`ServerCheck`) a server must pass. Adapters: backends.py (asyncrl, and the registry),
-vllm_backend.py, sglang_backend.py. A backend's plugin config (`BackendPlugin`) also writes the
+vllm_backend.py, sglang_backend.py. A backend's plugin config (`BackendKind`) also writes the
 command that starts one of its servers (`ServerCommand`) from what the job asks of it
 (`ServerLaunch`); vLLM and SGLang need a port chosen up front and are ready when `/health`
 answers 200, `asyncrl serve --port 0` picks its own and prints it after `READY_PREFIX`.
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
+from asyncrl.config import Config
 from asyncrl.inference.config import EngineSettings
 
 
@@ -278,10 +279,10 @@ def concrete_dtype(dtype: str) -> str:
     return "bfloat16" if cuda_available() else "float32"
 
 
-class BackendPlugin(Protocol):
-    """What a backend's plugin config (`inference.backend`) declares and makes."""
+class BackendKind(Config):
+    """What a backend's plugin config (`inference.backend`) declares and makes: the base class
+    of every kind `BACKENDS` registers, which must set each class attribute below."""
 
-    kind: str
     weight_syncs: ClassVar[tuple[str, ...]]  # "tensors" (HTTP buckets), "disk", "nccl", "gloo"
     lora: ClassVar[bool]  # LoRA adapters loaded at run time
     untied_head: ClassVar[bool]  # the served model needs lm_head.weight of its own
@@ -292,12 +293,15 @@ class BackendPlugin(Protocol):
               images: bool = False) -> Backend:
         """The adapter of the remote client (`model`: the served model name, when needed;
         `images`: prompts will carry images, so its servers are checked for that)."""
+        raise NotImplementedError
 
     def check_lora(self, lora: LoraServing) -> None:
         """ValueError naming the limit when its servers cannot take these adapters."""
+        raise NotImplementedError
 
     def server_command(self, model_dir: str, launch: ServerLaunch) -> ServerCommand:
         """The command that starts one of its servers, as `launch` asks."""
+        raise NotImplementedError
 
 
 def reply_field(body: Any, *keys: str | int) -> Any:

@@ -15,13 +15,13 @@ Besides translating, a backend names what must hold before a server is used (`se
 version range, RL routes mounted, logprobs mode) and the version the server reports
 (`parse_health`), which the client compares after every weight update.
 
-Each backend's plugin config (`inference.backend: vllm`) declares what its servers support (the
-weight transports `weight_syncs`, runtime `lora`, an `untied_head`, the versions `tested`, and,
-optionally, `images`: prompts with images, then built with `build(..., images=...)` and sent by
-`generate_call(..., images=...)`), builds the adapter (`build`) and writes the command that starts
-a server (`server_command`); config
-validation, the launch layer and the CLI's choices read those declarations. A backend of your own
-is a config class like these and `BACKENDS.register(YourConfig)`.
+Each backend's plugin config (`inference.backend: vllm`, a `BackendKind`) declares what its
+servers support (the weight transports `weight_syncs`, runtime `lora`, an `untied_head`, the
+versions `tested`, and `images`: prompts with images, then built with `build(..., images=...)` and
+sent by `generate_call(..., images=...)`), builds the adapter (`build`) and writes the command
+that starts a server (`server_command`); config validation, the launch layer and the CLI's
+choices read those declarations. A backend of your own is a `BackendKind` subclass like these and
+`BACKENDS.register(YourConfig)`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import json
 from typing import Any, ClassVar, Literal
 
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
-from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
+    BackendKind,
     ModelQuery,
     openai_model_root,
     BackendReplyError,
@@ -161,7 +161,7 @@ class AsyncrlBackend:
         return ModelQuery(HttpCall("GET", "/v1/models"), openai_model_root)
 
 
-class AsyncrlBackendConfig(Config):
+class AsyncrlBackendConfig(BackendKind):
     """`inference.backend: asyncrl` (the default): this project's server, `asyncrl serve`."""
 
     kind: Literal["asyncrl"] = "asyncrl"  # the backend (BACKENDS: asyncrl | vllm | sglang | yours)
@@ -190,7 +190,7 @@ class AsyncrlBackendConfig(Config):
                               *launch.extra_args], env, host=launch.host)
 
 
-BACKENDS: Registry = Registry("backend")
+BACKENDS: Registry = Registry("backend", base=BackendKind)
 for _cls in (AsyncrlBackendConfig, VLLMBackendConfig, SGLangBackendConfig):
     BACKENDS.register(_cls)
 

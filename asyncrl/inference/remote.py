@@ -111,7 +111,7 @@ class RemoteInferenceEngine:
         if req.gconfig.n_samples != 1:
             raise ValueError(f"n_samples={req.gconfig.n_samples} is out of range; allowed [1, 1]: "
                              "expand a group into one request per sample")
-        if req.images is not None and not getattr(self.backend, "supports_images", False):
+        if req.images is not None and not self.backend.supports_images:
             raise ValueError(f"the {self.backend.name} backend sends no images to its servers; "
                              "serve a prompt with images on the vllm backend or the in-process "
                              "engine")

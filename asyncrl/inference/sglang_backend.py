@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
-from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
+    BackendKind,
     ModelQuery,
     NEUTRAL_SAMPLING,
     BackendReplyError,
@@ -233,7 +233,7 @@ def _sglang_rid(rid: str) -> str:
     return f"{rid}~"
 
 
-class SGLangBackendConfig(Config):
+class SGLangBackendConfig(BackendKind):
     """`inference.backend: sglang`: a stock SGLang server (see SGLangBackend)."""
 
     kind: Literal["sglang"] = "sglang"  # the backend (BACKENDS: asyncrl | vllm | sglang | yours)

@@ -8,8 +8,8 @@ import re
 from typing import Any, ClassVar, Literal
 
 from asyncrl.api import GenerationConfig, ImageInputs, StopReason
-from asyncrl.config import Config
 from asyncrl.inference.backend_protocol import (
+    BackendKind,
     ModelQuery,
     openai_model_root,
     NEUTRAL_SAMPLING,
@@ -415,7 +415,7 @@ def vllm_lora_args(lora: LoraServing) -> list[str]:
             "--max-loras", str(lora.keep_versions + 1)]
 
 
-class VLLMBackendConfig(Config):
+class VLLMBackendConfig(BackendKind):
     """`inference.backend: vllm`: a stock vLLM OpenAI server in dev mode (see VLLMBackend)."""
 
     kind: Literal["vllm"] = "vllm"  # the backend (BACKENDS: asyncrl | vllm | sglang | yours)

@@ -87,7 +87,24 @@ class LocalLauncher:
             yield servers
 
 
-class LocalLauncherConfig(Config):
+class LauncherKind(Config):
+    """The base of every launcher config (`LAUNCHERS`): `build()` makes the Launcher; the CPU
+    pinning a kind may offer (None: none)."""
+
+    def build(self) -> Launcher:
+        """The launcher this config describes."""
+        raise NotImplementedError
+
+    def trainer_cpu_ids(self) -> list[int] | None:
+        """The CPU ids the trainer process is pinned to; None: wherever the OS puts it."""
+        return None
+
+    def server_cpu_ids(self) -> list[int] | None:
+        """The CPU ids the servers of inference.mode local are pinned to; None: the OS decides."""
+        return None
+
+
+class LocalLauncherConfig(LauncherKind):
     """This machine: one process, or the ranks `torchrun` started (FSDP2).
 
     `trainer_cpus` / `server_cpus` place the trainer process and the servers of
@@ -113,8 +130,14 @@ class LocalLauncherConfig(Config):
     def build(self) -> Launcher:
         return LocalLauncher(self.trainer_cpus, self.server_cpus)
 
+    def trainer_cpu_ids(self) -> list[int] | None:
+        return self.trainer_cpus
 
-class RayLauncherConfig(Config):
+    def server_cpu_ids(self) -> list[int] | None:
+        return self.server_cpus
+
+
+class RayLauncherConfig(LauncherKind):
     """A Ray cluster: which one, and what each trainer rank and rollout server asks of it.
 
     Trainer ranks are one placement group (a bundle per rank, `placement_strategy`), so the
@@ -161,7 +184,7 @@ def bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, f
     return out
 
 
-LAUNCHERS: Registry = Registry("launcher")
+LAUNCHERS: Registry = Registry("launcher", base=LauncherKind)
 LAUNCHERS.register(LocalLauncherConfig)
 LAUNCHERS.register(RayLauncherConfig)
 

@@ -19,7 +19,7 @@ HTTP buckets, or an adapter directory for `/update_weights/lora` or vLLM's LoRA 
 engine merges it into the base model it was started from.
 
 Servers of mode local are started where the launcher places them, with the command their
-backend writes (`BackendPlugin.server_command`); a backend that needs an untied output head
+backend writes (`BackendKind.server_command`); a backend that needs an untied output head
 (vLLM) is given an untied copy. Servers are checked before the first rollout (`check_servers`).
 """
 
@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import torch
 
 from asyncrl.api import PolicyVersion, ServingEngine, WeightUpdateKind, WeightUpdateMeta
-from asyncrl.inference.backend_protocol import (BackendPlugin, LoraServing, ServerCommand,
+from asyncrl.inference.backend_protocol import (BackendKind, LoraServing, ServerCommand,
                                               ServerLaunch)
 from asyncrl.inference.config import RemoteEngineConfig
 from asyncrl.launch.launchers import Launcher
@@ -242,9 +242,8 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
         else:
             remote_cfg = cfg.remote
         # lora: a backend that takes adapters checks its servers' settings at startup
-        # images: declared by backends that send them (a plugin may predate the declaration)
-        images = ({"images": is_vision_language(model_dir)}
-                  if getattr(backend, "images", False) else {})
+        # images: passed to the backends that send them (their declaration)
+        images = {"images": is_vision_language(model_dir)} if backend.images else {}
         engine = RemoteInferenceEngine(remote_cfg, backend.build(model=remote_cfg.model,
                                                                  lora=lora, **images))
         stack.callback(engine.close)
@@ -255,7 +254,7 @@ def open_rollout_engines(cfg: InferenceLaunchConfig, model_dir: str | Path, log_
                              **common)
 
 
-def _command(backend: BackendPlugin, model_dir: str, launch: ServerLaunch, api_key: str,
+def _command(backend: BackendKind, model_dir: str, launch: ServerLaunch, api_key: str,
              host: str) -> ServerCommand:
     """One server's command (picklable: a Ray actor on another node calls it)."""
     return backend.server_command(model_dir, replace(launch, api_key=api_key, host=host))

@@ -50,8 +50,7 @@ class SFTRunConfig(Config):
 
     @pydantic.model_validator(mode="after")
     def _images_need_a_vision_model(self) -> SFTRunConfig:
-        if (getattr(type(self.data), "has_images", False)
-                and self.model.is_vision_language(self.tiny) is False):
+        if self.data.has_images and self.model.is_vision_language(self.tiny) is False:
             what = (f"the embedded tiny model, tiny.arch={self.tiny.arch!r}"
                     if self.model.path is None else self.model.path)
             raise ValueError(f"data.kind={self.data.kind!r} has images, but model.path ({what}) "

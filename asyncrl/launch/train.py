@@ -140,7 +140,7 @@ def run_rank(job: TrainJob) -> TrainResult:
     torch.manual_seed(cfg.seed)
     try:
         with trainer_threads(cfg):
-            if getattr(cfg.launcher, "trainer_cpus", None):
+            if cfg.launcher.trainer_cpu_ids():
                 console.print(f"trainer: {torch.get_num_threads()} torch threads on CPUs "
                               f"{sorted(os.sched_getaffinity(0))}")
             base = resolve_base_model(cfg, console)  # every rank takes part in a warm start

@@ -237,7 +237,7 @@ class TrainRunConfig(Config):
         self._check_lora()
         self._check_images()
         self._check_routing_replay()
-        if getattr(self.launcher, "server_cpus", None) and self.inference.mode != "local":
+        if self.launcher.server_cpu_ids() and self.inference.mode != "local":
             raise ValueError(f"launcher.server_cpus places the servers of inference.mode='local';"
                              f" inference.mode={self.inference.mode!r} starts none")
         adv = self.actor.advantage
@@ -253,7 +253,7 @@ class TrainRunConfig(Config):
         """A dataset whose rows carry images needs a vision-language model and the paths that
         carry images: the rlvr workflow or an agent (through the proxy), on the in-process
         engine or servers of a backend that takes images (vLLM)."""
-        if not getattr(type(self.data), "has_images", False):
+        if not self.data.has_images:
             return
         kind = f"data.kind={self.data.kind!r} has images"
         if self.model.is_vision_language(self.warm_start.tiny) is False:
@@ -267,9 +267,9 @@ class TrainRunConfig(Config):
             raise ValueError(f"{kind}: workflow.kind={self.workflow.kind!r} does not pass images "
                              "yet; allowed: rlvr, agent (image_url parts through the proxy)")
         backend = self.inference.backend
-        if self.inference.mode != "inprocess" and not getattr(backend, "images", False):
+        if self.inference.mode != "inprocess" and not backend.images:
             allowed = [k for k in BACKENDS.kinds()
-                       if getattr(BACKENDS.config_class(k), "images", False)]
+                       if BACKENDS.config_class(k).images]
             raise ValueError(f"{kind}: inference.backend={backend.kind!r} sends no images to its "
                              f"servers; allowed: {allowed} (or inference.mode=inprocess)")
 
