@@ -2,7 +2,7 @@
 
 Generation and training run side by side: inference engines produce rollouts tagged with the
 policy version of every token, the trainer consumes them under a staleness bound and pushes new
-weights back. See README.md for the two-command quick start and ARCHITECTURE.md for the map.
+weights back. See README.md for the two-command quick start and docs/concepts/architecture.md for the map.
 
     from asyncrl import Trainer, TrainRunConfig
     Trainer("configs/train_tiny.yaml").train(workflow=my_workflow, loss=my_loss)

@@ -1,9 +1,9 @@
-"""The module paths the repository's configs and the README name, collected for import tests.
+"""The module paths the repository's configs and documents name, collected for import tests.
 
 A config file's values (`reward: pkg.mod:fn`, `workflow.path`, `plugins`, ...) and its comments'
-commands (`python -c "from pkg import name"`, `python -m pkg.mod`), and the README's code blocks
-(shell commands, Python snippets, and `pkg.mod:name` paths into this repository or an installed
-package). tests/test_module_refs.py imports those of this environment; the vLLM and SGLang
+commands (`python -c "from pkg import name"`, `python -m pkg.mod`), and the code blocks of
+README.md and the docs site's pages (shell commands, Python snippets, and `pkg.mod:name` paths into
+this repository or an installed package). tests/test_module_refs.py imports those of this environment; the vLLM and SGLang
 suites import `vllm.*` / `sglang.*` in their venvs (tests/integration/test_server_tokenizers.py).
 """
 
@@ -71,20 +71,25 @@ def config_refs() -> list[ModuleRef]:
     return refs
 
 
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 def readme_refs() -> list[ModuleRef]:
-    """The README's code blocks: commands and Python imports, plus `pkg.mod:name` paths into
-    this repository or an installed package (`my_pkg.rewards:score` is an illustration)."""
-    text = (ROOT / "README.md").read_text()
+    """The code blocks of README.md and docs/: commands and Python imports, plus `pkg.mod:name`
+    paths into this repository or an installed package (`my_pkg.rewards:score` is an
+    illustration)."""
     refs = []
-    for match in re.finditer(r"```(\w*)\n(.*?)```", text, re.S):
-        start = text[:match.start()].count("\n") + 2
-        for i, line in enumerate(match.group(2).splitlines()):
-            source = f"README.md:{start + i}"
-            refs += _from_text(line, source)
-            for module, attr in INLINE_ATTR.findall(line):
-                ref = ModuleRef(source, module, attr)
-                if ref.package in OURS or importlib.util.find_spec(ref.package) is not None:
-                    refs.append(ref)
+    for doc in DOCUMENTS:
+        text, rel = doc.read_text(), doc.relative_to(ROOT)
+        for match in re.finditer(r"```(\w*)\n(.*?)```", text, re.S):
+            start = text[:match.start()].count("\n") + 2
+            for i, line in enumerate(match.group(2).splitlines()):
+                source = f"{rel}:{start + i}"
+                refs += _from_text(line, source)
+                for module, attr in INLINE_ATTR.findall(line):
+                    ref = ModuleRef(source, module, attr)
+                    if ref.package in OURS or importlib.util.find_spec(ref.package) is not None:
+                        refs.append(ref)
     return refs
 
 

@@ -1,4 +1,4 @@
-"""`import asyncrl.api` must stay cheap: no torch, fastapi, transformers (ARCHITECTURE.md, "Layers");
+"""`import asyncrl.api` must stay cheap: no torch, fastapi, transformers (docs/concepts/architecture.md, "Layers");
 and the run configs load without the code they configure, so `--print-config` answers at once."""
 
 import subprocess

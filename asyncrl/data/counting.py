@@ -56,9 +56,12 @@ class CountingTaskConfig(DatasetKind):
     layout: Literal["cells", "free"] = "cells"
     cell_size: int = pydantic.Field(28, ge=8)
     # total: every row asks `question`; attributes: each asks for a colour, a shape or both
-    questions: Literal["total", "attributes"] = "total"
+    # (left out of a saved config at its default, as `occlusion`: the warm starts cached for the
+    # plain variant keep their keys)
+    questions: Literal["total", "attributes"] = pydantic.Field(
+        "total", exclude_if=lambda v: v == "total")
     # layout free: the largest share of the smaller box two objects may overlap by (0: apart)
-    occlusion: float = pydantic.Field(0.0, ge=0.0, le=0.5)
+    occlusion: float = pydantic.Field(0.0, ge=0.0, le=0.5, exclude_if=lambda v: v == 0.0)
 
     @pydantic.model_validator(mode="after")
     def _object_range(self) -> CountingTaskConfig:
