@@ -30,3 +30,32 @@ def test_the_readme_links_resolve():
     missing = [link for link in local if not (ROOT / link).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
     assert len(text.splitlines()) <= 250
+
+
+def test_every_config_field_the_pages_name_exists():
+    """A dotted key in backticks (`actor.ppo.eps_clip`, `data.path=...`) whose first part is a
+    run-config section names a field of some kind of that section (the changelog, which also
+    names fields that do not exist, is left out)."""
+    from test_config_docs import VARIANTS
+
+    from asyncrl.config_docs import walk_fields
+    from asyncrl.launch.train_config import TrainRunConfig
+
+    keys: set[str] = set()
+    for overrides in [*VARIANTS, ["workflow.kind=tool_calls", "data.kind=arithmetic_submit"],
+                      ["launcher=ray"], ["inference.mode=local"], ["train.lora.enabled=true"],
+                      ["actor.advantage.estimator=gae"],
+                      ["data.kind=counting", "warm_start.tiny.arch=qwen2_vl"],
+                      ["data.kind=parquet", "data.path=x"]]:
+        keys |= {d.key for d in walk_fields(TrainRunConfig.load(None, overrides))}
+    sections = {k.split(".")[0] for k in keys}
+    named = re.compile(r"`([a-z_]+(?:\.[a-z_0-9]+)+)(?:[=:][^`]*)?`")
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        if page.name == "changelog.md":
+            continue
+        for key in named.findall(page.read_text()):
+            if key.split(".")[0] in sections and key not in keys and not any(
+                    k.startswith(key + ".") for k in keys):
+                missing.append(f"{page.relative_to(ROOT)}: {key}")
+    assert not missing, missing
