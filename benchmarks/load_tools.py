@@ -13,7 +13,8 @@ the `openai` SDK through the proxy, calling the same service over HTTP.
         --record benchmarks/results/load_tools_proxy.json
 
 The policy is the calculator agent's warm start (examples/tool_agent/sft.yaml, trained first if
-it is not cached), so episodes really call the calculator; `--model DIR` takes another.
+it is not cached), so episodes really call the calculator (a call is about 60 tokens: replies get
+80); `--model DIR` takes another. The record counts the calls the service answered.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def rows_from(n: int):
 
 
 def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service: dict,
-             sample_every: float = 10.0, max_new_tokens: int = 48, say=print,
+             sample_every: float = 10.0, max_new_tokens: int = 80, say=print,
              engine=None) -> dict:
     """Holds `in_flight` episodes for `seconds`, then drains; the counts and the RSS/fd samples.
     Rows are submitted with distinct ids; each accepted trajectory names its row (group_id).
