@@ -59,3 +59,12 @@ def test_every_config_field_the_pages_name_exists():
                     k.startswith(key + ".") for k in keys):
                 missing.append(f"{page.relative_to(ROOT)}: {key}")
     assert not missing, missing
+
+
+def test_the_api_reference_covers_every_exported_name():
+    import asyncrl
+
+    page = (ROOT / "docs" / "reference" / "api.md").read_text()
+    missing = [n for n in asyncrl.__all__
+               if n != "__version__" and f"heading: asyncrl.{n}\n" not in page + "\n"]
+    assert not missing, f"docs/reference/api.md has no entry for {missing}"
