@@ -23,10 +23,9 @@ batched matmul over `cache[:n, :, :T]` as a view with positions past each sequen
 before its window) masked. Every tensor the model allocates names its device (the one passed in,
 or its inputs'), so the same code runs on CPU and CUDA.
 
-A mixture-of-experts layer (`_moe`) routes each row to its top-k experts, then runs each expert
-once over the rows that chose it (rows sorted by expert: one gather, two matmuls and one
-index_add per expert hit, no per-token loop); `routes` collects the experts every sparse layer
-chose for every row. Its expert weights are stored `[experts, ...]` as transformers 5 holds them
+A mixture-of-experts layer routes each row to its top-k experts and runs each expert once over
+the rows that chose it (moe.py); `routes` collects the experts every sparse layer chose for every
+row. Its expert weights are stored `[experts, ...]` as transformers 5 holds them
 and load from either spelling (`weight_names.expert_weights`).
 
 The cache layout is `[num_layers, 2 (k/v), num_slots, num_kv_heads, max_seq_len, head_dim]`.
@@ -42,12 +41,14 @@ import torch.nn.functional as F
 
 from asyncrl.inference import kernels
 from asyncrl.inference.decoder_args import DecoderArgs
+from asyncrl.inference.decoder_weights import Layer, empty_layers, hf_names
 from asyncrl.inference.linear import (
     KernelMatmuls,
     Matmuls,
     PlainMatmuls,
     make_fast_matmuls,
 )
+from asyncrl.inference.moe import route, run_experts
 from asyncrl.inference.rope_tables import DEFAULT_KIND, cos_sin
 from asyncrl.models.weight_names import expert_weights
 
@@ -69,24 +70,6 @@ def mrope_streams(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
     for stream in (1, 2):
         streams[stream:3 * section[stream]:3] = stream
     return streams
-
-
-@dataclass
-class _Layer:
-    ln1: torch.Tensor  # before the attention
-    qkv_w: torch.Tensor  # [(H + 2K) * hd, D]: q, k, v stacked
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    ln2: torch.Tensor  # before the MLP
-    gate_up_w: torch.Tensor  # [2 * I, D]: gate, up stacked
-    down_w: torch.Tensor
-    q_norm: torch.Tensor | None = None  # [hd]: Qwen3, Gemma 3
-    k_norm: torch.Tensor | None = None
-    post_attn: torch.Tensor | None = None  # Gemma 3: after the attention, before the residual
-    post_mlp: torch.Tensor | None = None  # Gemma 3: after the MLP, before the residual
-    router_w: torch.Tensor | None = None  # [E, D]: a mixture-of-experts layer's router
-    experts_gate_up: torch.Tensor | None = None  # [E, 2 * I, D]: gate, up stacked per expert
-    experts_down: torch.Tensor | None = None  # [E, D, I]
 
 
 @dataclass
@@ -122,38 +105,16 @@ class DecoderModel:
         # (the prepacked layouts are per dense MLP: a mixture-of-experts model runs plain matmuls)
         self.rows_hint, self.use_fast = rows_hint, fast_matmuls and on_cpu and args.moe is None
         a = args
-        d, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
+        d, hd = a.hidden_size, a.head_dim
         self.q_dim, self.kv_dim = a.num_heads * hd, a.num_kv_heads * hd
-        sparse = a.moe.sparse if a.moe is not None else (False,) * a.num_layers
 
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
 
-        def experts(i: int) -> dict[str, torch.Tensor]:
-            if not sparse[i]:
-                return {"gate_up_w": empty(2 * inter, d), "down_w": empty(d, inter)}
-            e, mi = a.moe.num_experts, a.moe.intermediate_size
-            return {"gate_up_w": empty(0, d), "down_w": empty(d, 0), "router_w": empty(e, d),
-                    "experts_gate_up": empty(e, 2 * mi, d), "experts_down": empty(e, d, mi)}
-
         self.embed = empty(a.vocab_size, d)
         self.lm_head = self.embed if a.tie_word_embeddings else empty(a.vocab_size, d)
         self.norm = empty(d)
-        self.layers = [
-            _Layer(
-                ln1=empty(d),
-                qkv_w=empty(self.q_dim + 2 * self.kv_dim, d),
-                qkv_b=empty(self.q_dim + 2 * self.kv_dim) if a.attention_bias else None,
-                o_w=empty(d, self.q_dim),
-                ln2=empty(d),
-                q_norm=empty(hd) if a.qk_norm else None,
-                k_norm=empty(hd) if a.qk_norm else None,
-                post_attn=empty(d) if a.gemma else None,
-                post_mlp=empty(d) if a.gemma else None,
-                **experts(i),
-            )
-            for i in range(a.num_layers)
-        ]
+        self.layers = empty_layers(a, empty)
         # Gemma scales the embeddings by sqrt(hidden) rounded to the weights' dtype
         self.embed_scale = (None if a.embed_scale is None
                             else torch.tensor(a.embed_scale, dtype=dtype, device=self.device))
@@ -177,7 +138,7 @@ class DecoderModel:
         self._rope32_all = {kind: (c.float(), s_.float()) for kind, (c, s_) in tables.items()}
         self.rope32 = self._kernel_rope(0) if self._kernels is not None else None
         self._dims: tuple[tuple[int, ...], kernels.ModelDims] | None = None  # per cache shape
-        self._targets = self._name_map()
+        self._targets = hf_names(self.layers, self.embed, self.lm_head, self.norm, args)
         check_device(self.device, [*self._targets.values(),
                                    *(t for pair in self.rope.values() for t in pair)])
         self._plain = PlainMatmuls(self.layers, self.lm_head, a.activation)
@@ -219,43 +180,6 @@ class DecoderModel:
             return None
         lib = kernels.load()
         return kernels.CpuKernels(lib, self.dtype) if lib is not None else None
-
-    def _name_map(self) -> dict[str, torch.Tensor]:
-        """HF parameter name -> the (view of the) tensor it is copied into."""
-        q, kv, inter = self.q_dim, self.kv_dim, self.args.intermediate_size
-        m = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
-        if not self.args.tie_word_embeddings:
-            m["lm_head.weight"] = self.lm_head
-        for i, w in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            m[p + "input_layernorm.weight"] = w.ln1
-            if self.args.gemma:  # its post_attention_layernorm follows the attention
-                m[p + "post_attention_layernorm.weight"] = w.post_attn
-                m[p + "pre_feedforward_layernorm.weight"] = w.ln2
-                m[p + "post_feedforward_layernorm.weight"] = w.post_mlp
-            else:
-                m[p + "post_attention_layernorm.weight"] = w.ln2
-            if w.q_norm is not None:
-                m[p + "self_attn.q_norm.weight"] = w.q_norm
-                m[p + "self_attn.k_norm.weight"] = w.k_norm
-            parts = (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, None)))
-            for name, sl in parts:
-                m[p + f"self_attn.{name}_proj.weight"] = w.qkv_w[sl]
-                if w.qkv_b is not None:
-                    m[p + f"self_attn.{name}_proj.bias"] = w.qkv_b[sl]
-            m[p + "self_attn.o_proj.weight"] = w.o_w
-            if w.router_w is None:
-                m[p + "mlp.gate_proj.weight"] = w.gate_up_w[:inter]
-                m[p + "mlp.up_proj.weight"] = w.gate_up_w[inter:]
-                m[p + "mlp.down_proj.weight"] = w.down_w
-                continue
-            mi = self.args.moe.intermediate_size  # per expert, as checkpoints name them
-            m[p + "mlp.gate.weight"] = w.router_w
-            for e in range(self.args.moe.num_experts):
-                m[p + f"mlp.experts.{e}.gate_proj.weight"] = w.experts_gate_up[e, :mi]
-                m[p + f"mlp.experts.{e}.up_proj.weight"] = w.experts_gate_up[e, mi:]
-                m[p + f"mlp.experts.{e}.down_proj.weight"] = w.experts_down[e]
-        return m
 
     @torch.inference_mode()
     def load_weights(
@@ -311,7 +235,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         return torch.addcmul(x * cos, x.roll(self.args.head_dim // 2, -1), sin, out=out)
 
-    def _qk_norm(self, layer: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+    def _qk_norm(self, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3 / Gemma 3: RMSNorm over each query and each key head (before RoPE)."""
         a, rows = self.args, qkv.shape[0]
         q = self._norm(qkv[:, :self.q_dim].reshape(rows * a.num_heads, a.head_dim), layer.q_norm)
@@ -405,37 +329,13 @@ class DecoderModel:
             x = x[keep]
         return x
 
-    def _moe(self, w: _Layer, h: torch.Tensor, c: _Ctx) -> torch.Tensor:
-        """A sparse MLP on rows h [n, D]: route (fp32 softmax, top-k, renormalised when the
-        model says so; the weights rounded to h's dtype), then each chosen expert once over its
-        rows, its weighted output added into its rows in ascending expert order (as transformers
-        sums them)."""
-        moe = self.args.moe
-        probs = F.linear(h, w.router_w).float().softmax(-1)
-        top_w, top_i = probs.topk(moe.top_k, -1)
-        if moe.norm_topk_prob:
-            top_w = top_w / top_w.sum(-1, keepdim=True)
+    def _moe(self, w: Layer, h: torch.Tensor, c: _Ctx) -> torch.Tensor:
+        """A sparse layer's MLP on rows h (moe.py), its routes collected when recorded."""
+        top_w, top_i = route(self.args.moe, w.router_w, h)
         if c.routes is not None:
             c.routes.append(top_i)
-        top_w = top_w.to(h.dtype)
-        # (row, choice) pairs grouped by expert; the counts come to the host once per layer
-        flat = top_i.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
-        rows = order // moe.top_k
-        weights = top_w.reshape(-1)[order, None]
-        inputs = h[rows]
-        out = torch.zeros_like(h)
-        inter, start = moe.intermediate_size, 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            part = slice(start, start + count)
-            start += count
-            gate_up = F.linear(inputs[part], w.experts_gate_up[e])
-            act = self._plain.act(gate_up[:, :inter]) * gate_up[:, inter:]
-            out.index_add_(0, rows[part], F.linear(act, w.experts_down[e]) * weights[part])
-        return out
+        return run_experts(self.args.moe, w.experts_gate_up, w.experts_down, h, top_w, top_i,
+                           self._plain.act)
 
     def _routes(self) -> list[torch.Tensor] | None:
         """A list for the step's routes when they are recorded (`record_routes`)."""

@@ -153,22 +153,8 @@ class RewardPool:
     # -- calls -----------------------------------------------------------------------------
 
     async def score(self, fn: Callable[..., float], *args: Any, **kwargs: Any) -> RewardOutcome:
-        """Scores `fn(*args, **kwargs)` in a worker without blocking the event loop (the wait
-        runs in a thread); otherwise as `score_sync`.
-
-        Args:
-            fn: the reward function; it and its arguments must pickle (a module-level function,
-                plain data). It returns a float, or a (float, note) pair.
-            *args: positional arguments for `fn`.
-            **kwargs: keyword arguments for `fn`.
-
-        Returns:
-            The outcome: score, status (ok, timeout, error, crashed), latency and any error.
-
-        Raises:
-            RewardPoolClosed: the pool was closed before or during the call.
-            RuntimeError: the pool can no longer start workers.
-        """
+        """`score_sync` without blocking the event loop (the wait runs in a thread): the same
+        arguments, outcome and errors."""
         if self._closed:
             raise RewardPoolClosed("RewardPool is closed")
         call = functools.partial(self.score_sync, fn, *args, **kwargs)

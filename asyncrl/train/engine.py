@@ -37,7 +37,6 @@ from asyncrl.api.trajectory import Sample
 from asyncrl.api.version import PolicyVersion
 from asyncrl.models.device import resolve_device
 from asyncrl.models.kv_cache_arg import cache_kwargs
-from asyncrl.models.routes import UNROUTED
 from asyncrl.train.aggregation import normalizer_count
 from asyncrl.train.config import LoraConfig, TrainEngineConfig, lora_enabled
 from asyncrl.train.heads import ChunkedLogprobHead, LogprobHead, OutputHead, split_output_head
@@ -56,7 +55,7 @@ from asyncrl.train.packing import (
     unpack,
 )
 from asyncrl.train.parallel import Parallelism, SingleProcess
-from asyncrl.train.route_replay import Mode, RouteReplay, sparse_routers
+from asyncrl.train.route_replay import Mode, RouteReplay, padded_routes, sparse_routers
 from asyncrl.train.varlen_attention import packed_kwargs, packed_rows, use_packed_attention
 
 log = logging.getLogger(__name__)
@@ -79,14 +78,6 @@ PAD_AT_MOST = 1.25
 def sample_lengths(mb: PackedMicroBatch) -> list[int]:
     bounds = mb.cu_seqlens.tolist()
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def padded_routes(routes: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-    """A packed micro-batch's routes [N, layers, k] laid out as its padded rows' [rows, ...]
-    (`index`: padded_layout's; padding rows route live)."""
-    out = routes.new_full((rows, *routes.shape[1:]), UNROUTED)
-    out[index] = routes
-    return out
 
 
 def padded_positions(mb: PackedMicroBatch) -> int:

@@ -101,3 +101,11 @@ class RouteReplay:
         if not counts["rows"]:
             return {}
         return {"moe/route_flip_frac": counts["flipped"] / counts["rows"]}
+
+
+def padded_routes(routes: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """A packed micro-batch's routes [N, layers, k] laid out as its padded rows' [rows, ...]
+    (`index`: padded_layout's; padding rows route live)."""
+    out = routes.new_full((rows, *routes.shape[1:]), UNROUTED)
+    out[index] = routes
+    return out
