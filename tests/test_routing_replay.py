@@ -151,6 +151,9 @@ def test_replay_removes_the_gap_that_route_flips_open(layout, built, prompts, tm
     free = observed.forward(samples)
     flips = observed.routing.take_metrics()["moe/route_flip_frac"]
     assert flips > 0.05 and gap(free, samples) > 1e-2
+    observed.version.set(1)  # the same samples, now one version old: their flips count as stale
+    observed.forward(samples)
+    assert observed.routing.take_metrics() == {"moe/route_flip_frac_stale": flips}
     replayed = trainer(model(), layout, Mode.REPLAY).forward(samples)
     assert gap(replayed, samples) < 1e-5
 

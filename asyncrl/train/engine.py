@@ -55,7 +55,8 @@ from asyncrl.train.packing import (
     unpack,
 )
 from asyncrl.train.parallel import Parallelism, SingleProcess
-from asyncrl.train.route_replay import Mode, RouteReplay, padded_routes, sparse_routers
+from asyncrl.train.route_replay import (Mode, RouteReplay, fresh_rows, padded_routes,
+                                        sparse_routers)
 from asyncrl.train.varlen_attention import packed_kwargs, packed_rows, use_packed_attention
 
 log = logging.getLogger(__name__)
@@ -286,6 +287,8 @@ class HFTrainEngine:
         the head that reads them."""
         mb = mb.to(self.device)
         routes = mb.tensors.get("routes") if self.routing is not None else None
+        fresh = (None if routes is None
+                 else fresh_rows(mb.versions, mb.seq_id, self.version.value))
         if mb.has_images and not self.padded:
             raise ValueError("samples with images need train.attention_layout padded (or auto "
                              "on a vision-language model): a packed row has no per-sample "
@@ -301,15 +304,16 @@ class HFTrainEngine:
             if pads:
                 ids, mask, index = padded_layout(mb)
                 if self.routing is not None:
-                    self.routing.use(None if routes is None else padded_routes(routes, index,
-                                                                              ids.numel()))
+                    self.routing.use(*((None, None) if routes is None else (
+                        padded_routes(routes, index, ids.numel()),
+                        padded_routes(fresh, index, ids.numel()))))
                 head = self._head_for(ids.numel())
                 out = head.raw(self._run(head, attention_mask=mask, use_cache=False,
                                          **self._image_kwargs(mb, ids, index)))
                 return out.flatten(0, 1)[index], None, head
             # One row; each sample attends to its own tokens (varlen_attention.py)
             if self.routing is not None:
-                self.routing.use(routes)
+                self.routing.use(routes, fresh)
             head = self._head_for(mb.num_tokens)
             with packed_rows():
                 out = self._run(head, input_ids=mb.input_ids, position_ids=mb.position_ids,

@@ -14,7 +14,10 @@ router still gets gradients.
 rows ([rows, sparse layers, top_k], rows in the order the model flattens its input; UNROUTED
 rows route live). In `Mode.REPLAY` the hooks return the recorded experts; in `Mode.OBSERVE` they
 leave the live routing alone and count the rows whose top-k set differs from the recorded one
-(the route-flip share the monitor reports).
+(the route-flip share the monitor reports), apart for the rows of fresh samples (recorded under
+the weights the trainer holds: only arithmetic flips them) and stale ones (recorded under older
+weights: the update flips them too). The engine reads a sequence's every row again after a
+weight update, so a sample's routes were all recorded at the version of its last sampled token.
 """
 
 from __future__ import annotations
@@ -53,17 +56,19 @@ class RouteReplay:
                              "Qwen3-MoE, Mixtral, ...)")
         self.mode = mode
         self._routes: torch.Tensor | None = None
-        self._counts = {"rows": 0, "flipped": 0}
+        self._fresh: torch.Tensor | None = None
+        self._counts = _zero_counts()
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(partial(self._hook, layer))
 
-    def use(self, routes: torch.Tensor | None) -> None:
-        """The routes of the next forwards' input rows (None: route live); they stay set until
-        the next call, so a recomputation in backward (activation checkpointing) replays too."""
+    def use(self, routes: torch.Tensor | None, fresh: torch.Tensor | None = None) -> None:
+        """The routes of the next forwards' input rows (None: route live) and which rows are
+        fresh ([rows] bool; None: all); they stay set until the next call, so a recomputation in
+        backward (activation checkpointing) replays too."""
         if routes is not None and routes.shape[1] != len(self.routers):
             raise ValueError(f"routes of {routes.shape[1]} sparse layers for a model with "
                              f"{len(self.routers)}")
-        self._routes = routes
+        self._routes, self._fresh = routes, fresh
 
     @contextlib.contextmanager
     def observing(self) -> Iterator[None]:
@@ -84,9 +89,12 @@ class RouteReplay:
                                f"{layer} routes {live.shape[0]}")
         known = recorded[:, 0] != UNROUTED
         if self.mode == Mode.OBSERVE:  # (a recomputation in backward counts both again)
-            flipped = (recorded.sort(-1).values != live.sort(-1).values).any(-1) & known
-            self._counts["rows"] += int(known.sum())
-            self._counts["flipped"] += int(flipped.sum())
+            flipped = (recorded.sort(-1).values != live.sort(-1).values).any(-1)
+            fresh = (torch.ones_like(known) if self._fresh is None
+                     else self._fresh.to(known.device))
+            for kind, rows in (("fresh", known & fresh), ("stale", known & ~fresh)):
+                self._counts[kind]["rows"] += int(rows.sum())
+                self._counts[kind]["flipped"] += int((flipped & rows).sum())
             return None
         chosen = torch.where(known[:, None], recorded, live)
         weights = logits.float().softmax(-1).gather(1, chosen)
@@ -95,17 +103,29 @@ class RouteReplay:
         return logits, weights.to(scores.dtype), chosen
 
     def take_metrics(self) -> dict[str, float]:
-        """`moe/route_flip_frac`: the share of (token, sparse layer) routings whose top-k set
-        the trainer, routing freely, picks differently from the engine (observed forwards)."""
-        counts, self._counts = self._counts, {"rows": 0, "flipped": 0}
-        if not counts["rows"]:
-            return {}
-        return {"moe/route_flip_frac": counts["flipped"] / counts["rows"]}
+        """`moe/route_flip_frac`: the share of fresh samples' (token, sparse layer) routings whose
+        top-k set the trainer, routing freely, picks differently from the engine (observed
+        forwards); `moe/route_flip_frac_stale` the same for stale samples."""
+        counts, self._counts = self._counts, _zero_counts()
+        names = {"fresh": "moe/route_flip_frac", "stale": "moe/route_flip_frac_stale"}
+        return {names[kind]: c["flipped"] / c["rows"] for kind, c in counts.items() if c["rows"]}
+
+
+def _zero_counts() -> dict[str, dict[str, int]]:
+    return {"fresh": {"rows": 0, "flipped": 0}, "stale": {"rows": 0, "flipped": 0}}
+
+
+def fresh_rows(versions: torch.Tensor, seq_id: torch.Tensor, version: int) -> torch.Tensor:
+    """Per packed token [N]: whether its sample's routes were recorded at `version` (the
+    sample's last sampled token's version, `versions` [N] and `seq_id` [N] as packed)."""
+    latest = torch.full((int(seq_id.max()) + 1,), -1, dtype=versions.dtype, device=versions.device)
+    latest = latest.scatter_reduce(0, seq_id, versions, reduce="amax")
+    return latest[seq_id] == version
 
 
 def padded_routes(routes: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-    """A packed micro-batch's routes [N, layers, k] laid out as its padded rows' [rows, ...]
-    (`index`: padded_layout's; padding rows route live)."""
+    """A packed micro-batch's per-token routes [N, layers, k] (or any [N, ...] row data) laid out
+    as its padded rows' [rows, ...] (`index`: padded_layout's; padding rows route live)."""
     out = routes.new_full((rows, *routes.shape[1:]), UNROUTED)
     out[index] = routes
     return out
