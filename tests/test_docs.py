@@ -68,3 +68,11 @@ def test_the_api_reference_covers_every_exported_name():
     missing = [n for n in asyncrl.__all__
                if n != "__version__" and f"heading: asyncrl.{n}\n" not in page + "\n"]
     assert not missing, f"docs/reference/api.md has no entry for {missing}"
+
+
+def test_the_results_pages_tables_match_their_records():
+    """Every `<!-- generated: NAME -->` table of docs/results/ is what
+    benchmarks/results_pages.py makes of the records in benchmarks/results/ now."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results_pages.py"),
+                          "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr + out.stdout

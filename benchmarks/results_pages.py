@@ -1,0 +1,175 @@
+"""The tables of the documentation's results pages, generated from the records in
+benchmarks/results/.
+
+    python benchmarks/results_pages.py           # rewrite every generated table
+    python benchmarks/results_pages.py --check   # exit 1 naming each table that is out of date
+
+A page marks each generated table with `<!-- generated: NAME -->` ... `<!-- /generated -->`;
+everything between the markers is this script's, the prose around them the page's. Each table
+ends with the command that produced its record and the machine it ran on, read from the record.
+tests/test_docs.py runs --check, so a record rerun without its page failing CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_real import time_to  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs" / "results"
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)",
+                   re.S)
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def record(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def machine_line(rec: dict) -> str:
+    m = rec.get("machine") or {}
+    cpus = m.get("cpus") or len(rec.get("cpus", [])) or "?"
+    parts = [f"{cpus} CPU cores"]
+    if m.get("torch"):
+        parts.append(f"torch {m['torch']}")
+    if m.get("matmul_gflops_before_after"):
+        before, after = m["matmul_gflops_before_after"]
+        parts.append(f"fp32 matmul {before} GFLOP/s before the runs, {after} after")
+    date = f", {rec['date']}" if rec.get("date") else ""
+    return f"Command: `{rec['command']}`; machine: {', '.join(parts)}{date}."
+
+
+def seeds_table(name: str) -> Callable[[], str]:
+    """A main_job.py record (the main job, the VLM job): one row per seed, the mean, the worst."""
+    def table() -> str:
+        rec = record(name)
+        target = rec.get("gain_target", 0.3)
+        rows = ["| seed | steps | s/step | greedy acc, step 0 | after 10 min of training | best "
+                f"eval | gain | training s to +{target:.0%} |", "|---|---|---|---|---|---|---|---|"]
+        for s in rec["seeds"]:
+            t = s["seconds_to_gain_target"]
+            rows.append(f"| {s['seed']} | {s['steps']} | {s['seconds_per_step']:.2f} | "
+                        f"{pct(s['initial_accuracy'])} | {pct(s['final_accuracy'])} | "
+                        f"{pct(s['best_accuracy'])} | {s['gain'] * 100:+.1f} points | "
+                        f"{'-' if t is None else f'{t:.0f}'} |")
+        m = rec["summary"]
+        steps = round(statistics.mean(s["steps"] for s in rec["seeds"]))
+        rows.append(f"| **mean** | {steps} | {m['mean_seconds_per_step']:.2f} | "
+                    f"{pct(m['mean_initial'])} | **{pct(m['mean_final'])}** | | "
+                    f"**{m['mean_gain'] * 100:+.1f} points** | |")
+        rows.append(f"| **worst** | | | | **{pct(m['worst_final'])}** | | "
+                    f"**{m['worst_gain'] * 100:+.1f} points** | |")
+        sft = rec.get("sft")
+        tail = [machine_line(rec)]
+        if sft:
+            tail.append(f"Warm start: {sft['steps']} SFT steps, {sft['train_seconds']:.0f} s of "
+                        f"training, greedy accuracy {pct(sft['eval_accuracy'])} at its end.")
+        return "\n".join(rows) + "\n\n" + " ".join(tail) + "\n"
+    return table
+
+
+def tools_table() -> str:
+    """bench_async.py --tails: per r and eta, the mean over seeds, and the ratio of the time to
+    the middle target against eta 0's (per seed)."""
+    rec = record("bench_async_agents.json")
+    target, runs = rec["middle_target"], rec["runs"]
+    rows = ["| r | eta | steps/s | engine idle | trainer waits | tool p50 / p99 | staleness | "
+            f"acc. end | to {target:.0%} | vs eta 0 (per seed) |",
+            "|---|-----|---------|-------------|---------------|----------------|-----------|"
+            "----------|--------|---------------------|"]
+    for tail in sorted({r["tail"] for r in runs}, reverse=True):
+        for eta in sorted({r["eta"] for r in runs if r["tail"] == tail}):
+            cell = [r for r in runs if r["tail"] == tail and r["eta"] == eta]
+            avg = lambda key: statistics.mean(r[key] for r in cell)  # noqa: E731
+            to = statistics.mean(time_to(r, target)[0] for r in cell)
+            p99 = avg("tool_latency_p99_s")
+            if eta:
+                ratio = rec["time_to_target_ratio"][f"r={tail:g}"][f"eta={eta}"]
+                seeds = ", ".join(f"{v['ratio']:.2f}{'+' if v['censored'] else ''}"
+                                  for v in ratio["per_seed"].values())
+                vs = f"{ratio['mean']:.2f} ({seeds})"
+            else:
+                vs = "1.00"
+            rows.append(f"| {tail:g} | {eta} | {avg('steps_per_s'):.3f} | "
+                        f"{avg('engine_generating_idle_frac'):.0%} | {avg('trainer_idle_frac'):.0%}"
+                        f" | {avg('tool_latency_p50_s'):.2f} / {p99:.{2 if p99 < 10 else 1}f} s | "
+                        f"{avg('staleness_mean'):.2f} | {pct(avg('final_accuracy'))} | {to:.0f} s"
+                        f" | {vs} |")
+    note = (f"Means over {len({r['seed'] for r in runs})} seeds; {rec['ratio_definition']} "
+            "(+ marks a ratio with a censored run). " + machine_line({"command": rec["command"],
+                                              "cpus": rec.get("cpus", [])}))
+    return "\n".join(rows) + "\n\n" + note + "\n"
+
+
+def moe_table() -> str:
+    """moe_job.py: per (replay, eta), the mean over seeds."""
+    rec = record("moe_job.json")
+    sci = lambda x: "-" if x is None else f"{x:.1e}"  # noqa: E731
+    rows = ["| replay | eta | seeds | steps | acc. step 0 | acc. end | reward, last 10 steps | "
+            "route flips, fresh | route flips, stale | logprob gap mean / max | gap without "
+            "replay mean / max |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, m in rec["means"].items():
+        seeds = [r for r in rec["runs"] if r["replay"] == m["replay"] and r["eta"] == m["eta"]]
+        rows.append(f"| {'on' if m['replay'] else 'off'} | {m['eta']} | {len(seeds)} | "
+                    f"{m['steps']} | {pct(m['initial_accuracy'])} | {pct(m['final_accuracy'])} | "
+                    f"{m['reward_last10']:.3f} | {pct(m['flip_fresh'])} | "
+                    f"{pct(m['flip_stale'])} | {sci(m['gap_mean'])} / {sci(m['gap_max'])} | "
+                    f"{sci(m['gap_unreplayed_mean'])} / {sci(m['gap_unreplayed_max'])} |")
+    per_seed = "; ".join(
+        f"replay {'on' if r['replay'] else 'off'}, eta {r['eta']}, seed {r['seed']}: "
+        f"{pct(r['final_accuracy'])}" for r in rec["runs"])
+    return ("\n".join(rows) + f"\n\nEach run {rec['max_train_seconds']:g} s of training. "
+            f"Held-out accuracy at the end, per run: {per_seed}. " + machine_line(rec) + "\n")
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "main-job": seeds_table("main_job.json"),
+    "vlm-job": seeds_table("vlm_job.json"),
+    "tool-asynchrony": tools_table,
+    "moe-job": moe_table,
+}
+
+
+def render(page: str) -> str:
+    def body(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES:
+            raise SystemExit(f"unknown generated table {name!r}; known: {sorted(TABLES)}")
+        return match[1] + TABLES[name]() + match[4]
+    return BLOCK.sub(body, page)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if a page's generated table is out of date")
+    args = ap.parse_args()
+    stale = []
+    for path in sorted(DOCS.glob("*.md")):
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        raise SystemExit(f"out of date (run python benchmarks/results_pages.py): "
+                         f"{', '.join(map(str, stale))}")
+    print(("updated: " + ", ".join(map(str, stale))) if stale else "every results page is up "
+          "to date")
+
+
+if __name__ == "__main__":
+    main()
