@@ -237,7 +237,8 @@ def test_derived_settings_are_not_settable():
 def test_example_configs_validate_and_multi_turn_runs(model_dir, tmp_path):
     root = TESTS.parent / "configs"
     names = sorted(p.name for p in root.glob("train_*.yaml"))
-    assert {"train_tiny.yaml", "train_chain.yaml", "train_vlm_tiny.yaml"} <= set(names), names
+    assert {"train_tiny.yaml", "train_chain.yaml", "train_vlm_tiny.yaml",
+            "train_vlm_tiny_easy.yaml"} <= set(names), names
     for name in names:
         TrainRunConfig.load(str(root / name), [])
     cfg = TrainRunConfig.load(str(root / "train_multiturn.yaml"), [

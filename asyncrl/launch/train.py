@@ -36,7 +36,6 @@ from asyncrl.inference.backend_protocol import LoraServing
 from asyncrl.inference.config import EngineSettings
 from asyncrl.launch.data_stream import DataStream
 from asyncrl.launch.judge_engine import open_run_reward
-from asyncrl.models.chat import encode_chat_prompt
 from asyncrl.models.config import is_mixture_of_experts
 from asyncrl.models.tokenizer_check import check_chat_round_trip
 from asyncrl.reward.call import check_reward_call
@@ -57,7 +56,7 @@ from asyncrl.launch.workflows import (AgentWorkflowConfig, WorkflowContext, eval
                                       workflow_from_object)
 from asyncrl.models.device import resolve_device
 from asyncrl.models.loading import load_tokenizer, resolve_model_dir
-from asyncrl.models.vision import vision_encoder
+from asyncrl.models.vision import row_prompt, vision_encoder
 from asyncrl.rollout.executor import WorkflowExecutor
 from asyncrl.train.config import lora_enabled
 from asyncrl.train.critic import load_critic
@@ -282,20 +281,21 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
     eval_rows = dataset.eval_rows()[: cfg.eval.size]
     trainer = group.trainer
     state, stream = LoopState(), DataStream(dataset.train_rows(), cfg.seed)
+    vision = vision_encoder(base, cfg.model.trust_remote_code)
     first = next((r for r in dataset.train_rows()[:1] if "messages" in r), None)
     if first is not None:  # the prompts as the template renders them reach the model intact
         check_chat_round_trip(tokenizer, first["messages"], cfg.model.template_kwargs(),
                               f"model {base}")
-        check_room(cfg, len(encode_chat_prompt(tokenizer, first["messages"],
-                                               template_kwargs=cfg.model.template_kwargs())),
-                   context_length(cfg, group.trainer))
+        with contextlib.suppress(ValueError):  # an undecodable image: the row is rejected later
+            check_room(cfg, len(row_prompt(tokenizer, vision, first,
+                                           cfg.model.template_kwargs())[0]),
+                       context_length(cfg, group.trainer))
     monitor = RolloutMonitor(cfg.filter_uniform_groups)
     with contextlib.ExitStack() as stack:
         reward = job.reward
         if reward is None:
             reward = stack.enter_context(open_run_reward(cfg.reward))
         lora = lora_enabled(cfg.train.lora)
-        vision = vision_encoder(base, cfg.model.trust_remote_code)
         engines = stack.enter_context(open_rollout_engines(
             with_routes(cfg, cfg.inference.trusting(cfg.model.trust_remote_code), base, console),
             base, job.run_dir / "logs",
@@ -390,8 +390,6 @@ def logprob_check(cfg: TrainRunConfig, group: TrainerGroup, tokenizer: Any,
     """The post-update canary: the first two eval rows' prompts (in-distribution, with their
     images through `vision` for a vision-language model); rows whose prompt cannot be built (an
     undecodable image) are passed over."""
-    from asyncrl.models.vision import row_prompt
-
     kwargs = cfg.model.template_kwargs()
     prompts, images = [], []
     for row in (r for r in eval_rows if "messages" in r):

@@ -20,9 +20,10 @@ from asyncrl.api import (EvalReport, GenerationConfig, InferenceEngine, ModelReq
                          Trajectory)
 from asyncrl.api.trajectory import PROMPT_VERSION
 from asyncrl.config import Config
-from asyncrl.models.chat import encode_chat_prompt, render_chat, stop_at_eos
+from asyncrl.models.chat import render_chat, stop_at_eos
 from asyncrl.models import routes
 from asyncrl.models.chat_options import ChatOptions
+from asyncrl.models.vision import row_prompt
 from asyncrl.reward.call import RewardFn, call_reward
 from asyncrl.reward.returns import discounted_returns
 from asyncrl.rollout.answer_eval import EvalConfig, evaluate
@@ -114,7 +115,7 @@ class MultiTurnWorkflow:
                 float.
         """
         kwargs = self.chat.template_kwargs()
-        ids = encode_chat_prompt(self.tokenizer, data["messages"], template_kwargs=kwargs)
+        ids = row_prompt(self.tokenizer, None, data, kwargs)[0]  # (a row with images: refused)
         mask, logps, vers = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
         turn_rewards, turn_ends, texts, resp = [], [], [], None
         for turn in range(self.cfg.max_turns):
