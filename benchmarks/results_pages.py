@@ -129,7 +129,8 @@ def moe_table() -> str:
                     f"{sci(m['gap_unreplayed_mean'])} / {sci(m['gap_unreplayed_max'])} |")
     per_seed = "; ".join(
         f"replay {'on' if r['replay'] else 'off'}, eta {r['eta']}, seed {r['seed']}: "
-        f"{pct(r['final_accuracy'])}" for r in rec["runs"])
+        f"{pct(r['final_accuracy'])}"
+        for r in sorted(rec["runs"], key=lambda r: (r["replay"], r["eta"], r["seed"])))
     return ("\n".join(rows) + f"\n\nEach run {rec['max_train_seconds']:g} s of training. "
             f"Held-out accuracy at the end, per run: {per_seed}. " + machine_line(rec) + "\n")
 
