@@ -73,9 +73,11 @@ def seeds_table(name: str) -> Callable[[], str]:
                     f"**{m['worst_gain'] * 100:+.1f} points** | |")
         sft = rec.get("sft")
         tail = [machine_line(rec)]
-        if sft:
-            tail.append(f"Warm start: {sft['steps']} SFT steps, {sft['train_seconds']:.0f} s of "
-                        f"training, greedy accuracy {pct(sft['eval_accuracy'])} at its end.")
+        if sft:  # its time is a measurement only when this command trained it
+            took = (f"{sft['train_seconds']:.0f} s of training" if sft.get("trained_here")
+                    else "built before the command")
+            tail.append(f"Warm start: {sft['steps']} SFT steps ({took}), greedy accuracy "
+                        f"{pct(sft['eval_accuracy'])} at its end.")
         return "\n".join(rows) + "\n\n" + " ".join(tail) + "\n"
     return table
 

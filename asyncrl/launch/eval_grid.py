@@ -1,6 +1,6 @@
-"""A picture of an evaluation: the first held-out rows that have images, each drawn with the
-model's greedy answer under it (green when its reward counts as correct, red otherwise) and the
-reference answer, tiled into one PNG in the run directory. People would rather look than read.
+"""A picture of an evaluation: the first held-out rows that have images, each drawn with its
+question (shortened), the model's greedy answer under it (green when its reward counts as
+correct, red otherwise) and the reference answer, tiled into one PNG in the run directory. People would rather look than read.
 
 `eval_grid_initial.png` is the evaluation before the first update, `eval_grid.png` the latest;
 each is rewritten atomically, so a viewer never reads half a file.
@@ -17,7 +17,7 @@ from asyncrl.rollout.answer_eval import CORRECT_THRESHOLD
 
 GRID_FILE, INITIAL_GRID_FILE = "eval_grid.png", "eval_grid_initial.png"
 TILE = 160  # pixels per image side in the grid
-CAPTION = 34  # pixels of text under each image
+CAPTION = 48  # pixels of text under each image
 COLUMNS = 4
 
 
@@ -58,8 +58,11 @@ def save_eval_grid(path: Path, rows: Sequence[Mapping[str, Any]],
             sheet.paste(image.resize((TILE - 8, TILE - 8)), (x + 4, y + 4))
         answer = " ".join(text.split())[:22] or "(empty)"
         colour = (20, 140, 40) if reward > CORRECT_THRESHOLD else (200, 30, 30)
-        draw.text((x + 6, y + TILE), f"model: {answer}", fill=colour)
-        draw.text((x + 6, y + TILE + 14), f"answer: {row.get('answer', '?')}", fill="black")
+        question = str(row.get("question", "")).removeprefix("How many ").removesuffix(
+            " are there?")
+        draw.text((x + 6, y + TILE), f"q: {question[:24]}", fill="black")
+        draw.text((x + 6, y + TILE + 14), f"model: {answer}", fill=colour)
+        draw.text((x + 6, y + TILE + 28), f"answer: {row.get('answer', '?')}", fill="black")
     tmp = path.with_suffix(".tmp.png")
     sheet.save(tmp)
     os.replace(tmp, path)
