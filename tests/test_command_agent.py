@@ -114,6 +114,7 @@ def command_config(model_dir, out, **over):
         "rollout.batch_size": 2, "gconfig.n_samples": 2, **over})
 
 
+@pytest.mark.slow  # (a minute on a busy 2-core machine; the default suite's refusals stay)
 @pytest.mark.parametrize("anthropic", [False, True], ids=["openai", "anthropic"])
 def test_the_example_command_agent_trains(model_dir, tmp_path, anthropic):
     argv = [sys.executable, AGENT] + (["--anthropic"] if anthropic else [])

@@ -286,10 +286,12 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
     if first is not None:  # the prompts as the template renders them reach the model intact
         check_chat_round_trip(tokenizer, first["messages"], cfg.model.template_kwargs(),
                               f"model {base}")
-        with contextlib.suppress(ValueError):  # an undecodable image: the row is rejected later
-            check_room(cfg, len(row_prompt(tokenizer, vision, first,
-                                           cfg.model.template_kwargs())[0]),
-                       context_length(cfg, group.trainer))
+        try:
+            prompt = row_prompt(tokenizer, vision, first, cfg.model.template_kwargs())[0]
+        except ValueError:  # an undecodable image: the row is rejected when it is drawn
+            prompt = None
+        if prompt is not None:
+            check_room(cfg, len(prompt), context_length(cfg, group.trainer))
     monitor = RolloutMonitor(cfg.filter_uniform_groups)
     with contextlib.ExitStack() as stack:
         reward = job.reward

@@ -23,7 +23,6 @@ from asyncrl.config import Config
 from asyncrl.models.chat import render_chat, stop_at_eos
 from asyncrl.models import routes
 from asyncrl.models.chat_options import ChatOptions
-from asyncrl.models.vision import row_prompt
 from asyncrl.reward.call import RewardFn, call_reward
 from asyncrl.reward.returns import discounted_returns
 from asyncrl.rollout.answer_eval import EvalConfig, evaluate
@@ -115,6 +114,8 @@ class MultiTurnWorkflow:
                 float.
         """
         kwargs = self.chat.template_kwargs()
+        from asyncrl.models.vision import row_prompt  # (torch: not when the config loads)
+
         ids = row_prompt(self.tokenizer, None, data, kwargs)[0]  # (a row with images: refused)
         mask, logps, vers = [0] * len(ids), [0.0] * len(ids), [PROMPT_VERSION] * len(ids)
         turn_rewards, turn_ends, texts, resp = [], [], [], None
