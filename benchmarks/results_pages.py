@@ -39,11 +39,13 @@ def record(name: str) -> dict:
 
 
 def machine_line(rec: dict) -> str:
-    m = rec.get("machine") or {}
-    cpus = m.get("cpus") or len(rec.get("cpus", [])) or "?"
-    parts = [f"{cpus} CPU cores"]
+    m = rec.get("machine") or rec  # (some records keep the machine's fields at the top)
+    cpus = m.get("cpus") or "?"
+    parts = [f"{len(cpus) if isinstance(cpus, list) else cpus} CPU cores"]
     if m.get("torch"):
         parts.append(f"torch {m['torch']}")
+    if m.get("threads"):
+        parts.append(f"{m['threads']} threads")
     if m.get("matmul_gflops_before_after"):
         before, after = m["matmul_gflops_before_after"]
         parts.append(f"fp32 matmul {before} GFLOP/s before the runs, {after} after")
@@ -111,7 +113,7 @@ def tools_table() -> str:
                         f" | {vs} |")
     note = (f"Means over {len({r['seed'] for r in runs})} seeds; {rec['ratio_definition']} "
             "(+ marks a ratio with a censored run). " + machine_line({"command": rec["command"],
-                                              "cpus": rec.get("cpus", [])}))
+                                                                 "cpus": rec.get("cpus", [])}))
     return "\n".join(rows) + "\n\n" + note + "\n"
 
 
@@ -137,7 +139,36 @@ def moe_table() -> str:
             f"Held-out accuracy at the end, per run: {per_seed}. " + machine_line(rec) + "\n")
 
 
+ARCH_LABELS = {"qwen2": "Qwen2 / 2.5", "qwen3": "Qwen3 (q/k norms)",
+               "llama3": "Llama 3.1 (llama3 RoPE)", "gemma3": "Gemma 3 (sliding + global layers)",
+               "mistral": "Mistral (sliding window)", "qwen3-moe": "Qwen3-MoE",
+               "mixtral": "Mixtral"}
+
+
+def archs_table(name: str) -> Callable[[], str]:
+    """bench_engine_archs.py: per architecture and batch, native / fallback / HF generate."""
+    def table() -> str:
+        rec = record(name)
+        batches = sorted({r["batch"] for r in rec["rows"]})
+        archs = list(dict.fromkeys(r["arch"] for r in rec["rows"]))
+        head = ["architecture", *[f"batch {b}" + (": native / fallback / HF `generate`"
+                                                  if k == 0 else "")
+                                  for k, b in enumerate(batches)]]
+        rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for arch in archs:
+            cells = []
+            for b in batches:
+                r = next(x for x in rec["rows"] if x["arch"] == arch and x["batch"] == b)
+                cells.append(" / ".join(f"{r[k]:,.0f}" for k in (
+                    "native_tok_s", "fallback_tok_s", "hf_generate_tok_s")))
+            rows.append(f"| {ARCH_LABELS.get(arch, arch)} | " + " | ".join(cells) + " |")
+        return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+    return table
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "engine-archs": archs_table("bench_engine_archs.json"),
+    "engine-archs-moe": archs_table("bench_engine_archs_moe.json"),
     "main-job": seeds_table("main_job.json"),
     "vlm-job": seeds_table("vlm_job.json"),
     "tool-asynchrony": tools_table,
