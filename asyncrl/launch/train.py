@@ -283,15 +283,9 @@ def lead(job: TrainJob, group: TrainerGroup, base: Path, tokenizer: Any, ckpt: P
     state, stream = LoopState(), DataStream(dataset.train_rows(), cfg.seed)
     vision = vision_encoder(base, cfg.model.trust_remote_code)
     first = next((r for r in dataset.train_rows()[:1] if "messages" in r), None)
-    if first is not None:  # the prompts as the template renders them reach the model intact
-        check_chat_round_trip(tokenizer, first["messages"], cfg.model.template_kwargs(),
-                              f"model {base}")
-        try:
-            prompt = row_prompt(tokenizer, vision, first, cfg.model.template_kwargs())[0]
-        except ValueError:  # an undecodable image: the row is rejected when it is drawn
-            prompt = None
-        if prompt is not None:
-            check_room(cfg, len(prompt), context_length(cfg, group.trainer))
+    if first is not None:
+        check_first_prompt(cfg, tokenizer, vision, first, base,
+                           context_length(cfg, group.trainer))
     monitor = RolloutMonitor(cfg.filter_uniform_groups)
     with contextlib.ExitStack() as stack:
         reward = job.reward
@@ -364,6 +358,19 @@ def the_workflow(job: TrainJob, ctx: WorkflowContext) -> RolloutWorkflow:
     agent_cfg = cfg.workflow if isinstance(cfg.workflow, AgentWorkflowConfig) else \
         AgentWorkflowConfig()
     return workflow_from_object(job.workflow, agent_cfg, ctx)
+
+
+def check_first_prompt(cfg: TrainRunConfig, tokenizer: Any, vision: Any, row: dict[str, Any],
+                       base: Path, context: int | None) -> None:
+    """Before step 1, on the first training row: the prompt as the template renders it reaches
+    the model intact, and a completion fits after it (`check_room`)."""
+    kwargs = cfg.model.template_kwargs()
+    check_chat_round_trip(tokenizer, row["messages"], kwargs, f"model {base}")
+    try:
+        prompt = row_prompt(tokenizer, vision, row, kwargs)[0]
+    except ValueError:  # an undecodable image: the row is rejected when it is drawn
+        return
+    check_room(cfg, len(prompt), context)
 
 
 def check_room(cfg: TrainRunConfig, prompt_tokens: int, context: int | None) -> None:

@@ -11,33 +11,15 @@ from __future__ import annotations
 
 import functools
 import http.server
-import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
+from headless_chromium import ROOT, chromium, screenshot_dir  # (skips if absent)
+from selenium.webdriver.common.by import By
 
-try:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-except ImportError:  # pragma: no cover - the test extra brings it
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise
-    pytest.skip("selenium is in the test extra: pip install -e '.[test]'",
-                allow_module_level=True)
-
-ROOT = Path(__file__).parent.parent.parent
-CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(600)]
-if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise RuntimeError(f"{CHROMIUM} / {DRIVER} missing: .ci/run installs Debian's chromium "
-                           "and chromium-driver")
-    pytest.skip("needs Debian's chromium and chromium-driver: apt-get install chromium "
-                "chromium-driver", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +39,7 @@ def site(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--window-size=1400,1000", "--disable-gpu"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
+    yield from chromium("1400,1000", console_log=True)
 
 
 @pytest.mark.parametrize(("path", "title", "text"), [
@@ -83,6 +56,4 @@ def test_a_page_of_the_built_site_opens_in_chromium(site, browser, path, title, 
     assert browser.find_elements(By.CSS_SELECTOR, "input.md-search__input")
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
-    shots = Path(os.environ.get("ASYNCRL_SCREENSHOTS", ROOT / "runs" / "view_screenshots"))
-    shots.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(shots / f"docs_{path.strip('/').replace('/', '_')}.png"))
+    browser.save_screenshot(str(screenshot_dir() / f"docs_{path.strip('/').replace('/', '_')}.png"))

@@ -12,7 +12,6 @@ Marker `browser`: `python -m pytest -q -m browser tests/integration`.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,26 +29,11 @@ from asyncrl.launch.step_samples import StepSamples
 from asyncrl.launch.train_config import TrainRunConfig
 from asyncrl.models.presets import build_preset_model
 
-try:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
-except ImportError:  # pragma: no cover - the test extra brings it
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise
-    pytest.skip("selenium is in the test extra: pip install -e '.[test]'",
-                allow_module_level=True)
+from headless_chromium import ROOT, chromium, screenshot_dir  # noqa: E402  (skips if absent)
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
-ROOT = Path(__file__).parent.parent.parent
-CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
-if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise RuntimeError(f"{CHROMIUM} / {DRIVER} missing: .ci/run installs Debian's chromium "
-                           "and chromium-driver")
-    pytest.skip("needs Debian's chromium and chromium-driver: apt-get install chromium "
-                "chromium-driver", allow_module_level=True)
 
 
 def samples_of(run: Path, step: int) -> list[dict]:
@@ -133,22 +117,12 @@ def view_url(runs):
 
 @pytest.fixture(scope="module")
 def browser():
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--window-size=1500,1100", "--disable-gpu"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
+    yield from chromium()
 
 
 @pytest.fixture(scope="module")
 def shots() -> Path:
-    out = Path(os.environ.get("ASYNCRL_SCREENSHOTS", ROOT / "runs" / "view_screenshots"))
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    return screenshot_dir()
 
 
 def wait_for(driver, condition, what: str, timeout: float = 60):

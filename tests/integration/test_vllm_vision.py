@@ -61,15 +61,20 @@ def vl_dir(tmp_path_factory):
     return build_preset_model("tiny-vl", tmp_path_factory.mktemp("tiny-vl"))
 
 
-@pytest.fixture(scope="module")
-def server(vl_dir, tmp_path_factory):
+def serve(model_dir: Path, tmp_path_factory, name: str):
+    """One stock vLLM server of `model_dir` (an untied copy, as a job serves it): its URL."""
     python = ensure_vllm_python()
-    served = untied_copy(vl_dir, tmp_path_factory.mktemp("tiny-vl-served"))
+    served = untied_copy(model_dir, tmp_path_factory.mktemp(f"{name}-served"))
     make = lambda key: server_command("vllm", str(served), python=python,  # noqa: E731
                                       engine=EngineSettings(max_num_seqs=8), api_key=key)
-    with LocalServers(make, 1, tmp_path_factory.mktemp("vllm_vision_logs"), 300,
+    with LocalServers(make, 1, tmp_path_factory.mktemp(f"{name}_logs"), 300,
                       api_key=KEY) as servers:
         yield servers.urls[0]
+
+
+@pytest.fixture(scope="module")
+def server(vl_dir, tmp_path_factory):
+    yield from serve(vl_dir, tmp_path_factory, "tiny-vl")
 
 
 def scene(shapes) -> Image.Image:
@@ -248,13 +253,7 @@ def qwen3vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen3vl_server(qwen3vl_dir, tmp_path_factory):
-    python = ensure_vllm_python()
-    served = untied_copy(qwen3vl_dir, tmp_path_factory.mktemp("tiny-qwen3-vl-served"))
-    make = lambda key: server_command("vllm", str(served), python=python,  # noqa: E731
-                                      engine=EngineSettings(max_num_seqs=8), api_key=key)
-    with LocalServers(make, 1, tmp_path_factory.mktemp("vllm_qwen3vl_logs"), 300,
-                      api_key=KEY) as servers:
-        yield servers.urls[0]
+    yield from serve(qwen3vl_dir, tmp_path_factory, "tiny-qwen3-vl")
 
 
 def test_qwen3_vl_image_prompts_are_served_with_the_trainers_logprobs(qwen3vl_server,
