@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -58,6 +58,11 @@ class SFTResult:
     steps: int
     final_loss: float
     cached: bool = False
+    # [step, loss] every LOSS_CURVE_EVERY steps: what a rerun of the recipe is compared with
+    # (tests/test_shipped_warm_start.py)
+    loss_curve: list[list[float]] = field(default_factory=list)
+    # torch threads per rank: the order of the float sums, which the result depends on
+    threads: int | None = None
 
 
 # Part of the cache key: bump when the SFT code changes what a config trains (the README's
@@ -129,7 +134,28 @@ def load_cached(out: Path) -> SFTResult | None:
     return SFTResult(**{**json.loads(result.read_text()), "cached": True, "model_dir": str(out)})
 
 
+# Warm starts that ship with the package, by cache key (asyncrl/warm_starts/README.md): the main
+# job's, so that a fresh install starts training at once with the model every record came from.
+SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "warm_starts"
+
+
+def shipped_dir(cfg: SFTRunConfig) -> Path | None:
+    """The package's copy of this config's warm start, if one ships (never for an explicit
+    `output_dir`: that asks for a model trained there)."""
+    if cfg.output_dir:
+        return None
+    out = SHIPPED_ROOT / f"tiny-sft-{cache_key(cfg)}"
+    return out if (out / RESULT_FILE).is_file() else None
+
+
+def load_ready(cfg: SFTRunConfig) -> SFTResult | None:
+    """The warm start of `cfg` without training: the cached one, else the shipped one."""
+    shipped = shipped_dir(cfg)
+    return load_cached(output_dir_for(cfg)) or (load_cached(shipped) if shipped else None)
+
+
 ESTIMATE_AFTER = 5  # steps timed before the SFT estimate is printed
+LOSS_CURVE_EVERY = 10  # the result keeps the loss of every 10th step
 
 
 def estimate_message(step: int, elapsed: float, steps: int,
@@ -154,11 +180,13 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
     parallel = parallelism(cfg.train.device)
     lead = parallel.rank == 0
     out = output_dir_for(cfg)
-    cached = parallel.broadcast_object(None if force or not lead else load_cached(out))
+    cached = parallel.broadcast_object(None if force or not lead else load_ready(cfg))
     if cached is not None:
         if lead:
-            console.print(f"[green]cached[/] SFT model at {out} "
-                          f"(eval accuracy {cached.eval_accuracy:.1%})")
+            where = "cached" if Path(cached.model_dir) == out else "shipped"
+            console.print(f"[green]{where}[/] SFT warm start at {cached.model_dir} "
+                          f"(eval accuracy {cached.eval_accuracy:.1%}; `asyncrl sft CONFIG "
+                          f"--force` trains it again)")
         return cached
     if lead:
         console.print(f"No cached SFT warm start for this config: training it now "
@@ -206,8 +234,11 @@ def run_sft_job(cfg: SFTRunConfig, console: Console | None = None, force: bool =
     history = train_with_progress(engine, examples, cfg, evaluate, console, lead, then)
     train_seconds = history[-1]["time/elapsed_s"]
     accuracy, model = evaluate()
+    curve = [[step, round(h["train/loss"], 6)] for step, h in enumerate(history, 1)
+             if step % LOSS_CURVE_EVERY == 0]
     result = SFTResult(str(out), accuracy, len(eval_rows), train_seconds, cfg.sft.steps,
-                       history[-1]["train/loss"])
+                       history[-1]["train/loss"], loss_curve=curve,
+                       threads=torch.get_num_threads())
     if lead:
         save_atomically(model, tokenizer, cfg, result, out, base)
         console.print(f"SFT done in {train_seconds:.1f}s: eval greedy accuracy {accuracy:.1%} "

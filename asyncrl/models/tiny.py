@@ -13,10 +13,10 @@ With the defaults (qwen2, hidden 256, 8 layers, 4 heads / 2 KV heads, MLP 768, v
 The random init (`seeded_init`) draws every weight as the model of the ASCII vocabulary alone
 (the special tokens, "\n" and printable ASCII: ids 0-100, padded to 128 rows) would, then the
 embedding rows of the other byte tokens from a generator of their own: the init of everything the
-embedded tasks use does not depend on how many other tokens the tokenizer has. (Drawn with the
-whole vocabulary instead, the RNG stream shifts, every layer gets other weights, and two such
-inits of the SFT warm start both missed the drop in loss by which it learns the arithmetic
-within its 600 steps: 10.9% and 7.4% greedy accuracy, against 27.7% from this one.)
+embedded tasks use does not depend on how many other tokens the tokenizer has. (How much of the
+arithmetic a 600-step warm start learns depends on its init and on the CPU's float sums: the
+main job's warm start ships with the package, asyncrl/warm_starts/, rather than being retrained
+on each machine.)
 """
 
 from __future__ import annotations
