@@ -205,7 +205,8 @@ def main() -> None:
                          "sglang": sg})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "prompt_len": args.prompt_len,
+            json.dump({"command": " ".join(["python", "benchmarks/bench_engine.py", *sys.argv[1:]]),
+                       "threads": args.threads, "prompt_len": args.prompt_len,
                        "new_tokens": args.new_tokens, "fp32_gflops": gflops,
                        "greedy": args.greedy, "rows": rows}, f, indent=2)
 

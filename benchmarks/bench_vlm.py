@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 
@@ -134,6 +135,7 @@ def main() -> None:
     print(f"  (tokens/s; vision tower: {tower * 1e3:.2f} ms per prompt = {tower / prefill:.0%} of "
           f"a whole prompt forward, {prefill * 1e3:.2f} ms per prompt)")
     result = {
+        "command": " ".join(["python", "benchmarks/bench_vlm.py", *sys.argv[1:]]),
         "machine_threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
         "prompt_tokens": len(all_prompts[0]),
         "image_tokens": all_prompts[0].count(encoder.pad_id), "by_batch": rows_out,

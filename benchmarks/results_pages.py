@@ -49,12 +49,15 @@ def record(name: str) -> dict:
 
 def machine_line(rec: dict) -> str:
     m = rec.get("machine") or rec  # (some records keep the machine's fields at the top)
-    cpus = m.get("cpus") or "?"
-    parts = [f"{len(cpus) if isinstance(cpus, list) else cpus} CPU cores"]
+    cpus = m.get("cpus")
+    parts = [f"{len(cpus) if isinstance(cpus, list) else cpus} CPU cores"] if cpus else []
     if m.get("torch"):
         parts.append(f"torch {m['torch']}")
-    if m.get("threads"):
-        parts.append(f"{m['threads']} threads")
+    threads = m.get("threads") or m.get("machine_threads")
+    if threads:
+        parts.append(f"{threads} threads")
+    if m.get("fp32_gflops"):
+        parts.append(f"fp32 matmul {m['fp32_gflops']:.0f} GFLOP/s")
     if m.get("matmul_gflops_before_after"):
         before, after = m["matmul_gflops_before_after"]
         parts.append(f"fp32 matmul {before} GFLOP/s before the runs, {after} after")
@@ -67,8 +70,8 @@ def seeds_table(name: str) -> Callable[[], str]:
     def table() -> str:
         rec = record(name)
         target = rec.get("gain_target", 0.3)
-        budget = round(min(s["train_seconds"] for s in rec["seeds"]) / 60)  # the stop's minute
-        rows = [f"| seed | steps | s/step | greedy acc, step 0 | after {budget} min of training "
+        budget = round(min(s["train_seconds"] for s in rec["seeds"]), -1)  # the stop, to 10 s
+        rows = [f"| seed | steps | s/step | greedy acc, step 0 | after {budget:.0f} s of training "
                 f"| best eval | gain | training s to +{target:.0%} |",
                 "|---|---|---|---|---|---|---|---|"]
         for s in rec["seeds"]:
@@ -175,7 +178,88 @@ def archs_table(name: str) -> Callable[[], str]:
     return table
 
 
+def ratio(ours: float, theirs: float | None) -> str:
+    return f"{ours / theirs:.1f}x" if theirs else "-"
+
+
+def tok_s(x: float | None) -> str:
+    return f"{x:,.0f}" if x else "-"
+
+
+def engine_vs_servers_table() -> str:
+    """bench_engine.py: per batch, tokens/s of HF generate, ours, vLLM-CPU, SGLang, and ratios."""
+    rec = record("bench_engine_sglang.json")
+    rows = ["| batch | HF `generate` | asyncrl engine | vLLM-CPU | SGLang | ours/HF | ours/vLLM "
+            "| ours/SGLang |", "|---|---|---|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        rows.append(f"| {r['batch']} | {tok_s(r['hf'])} | {tok_s(r['ours'])} | "
+                    f"{tok_s(r['vllm'])} | {tok_s(r['sglang'])} | {ratio(r['ours'], r['hf'])} | "
+                    f"{ratio(r['ours'], r['vllm'])} | {ratio(r['ours'], r['sglang'])} |")
+    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+
+
+def vlm_engine_table() -> str:
+    """bench_vlm.py: per batch, tokens/s of transformers generate and the engine's two paths."""
+    rec = record("bench_vlm.json")
+    rows = ["| batch | transformers `generate` | engine (compact) | engine (transformers "
+            "fallback) | compact / generate |", "|---|---|---|---|---|"]
+    for r in rec["by_batch"]:
+        rows.append(f"| {r['batch']} | {tok_s(r['hf_tokens_per_s'])} tok/s | "
+                    f"{tok_s(r['native_tokens_per_s'])} tok/s | "
+                    f"{tok_s(r['fallback_tokens_per_s'])} tok/s | "
+                    f"{r['native_over_hf']:.1f}x |")
+    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+
+
+def staleness_table(runs: bool) -> Callable[[], str]:
+    """staleness_ablation.py's record of the chain job: each cell at its best rate, or every
+    run by rate."""
+    def table() -> str:
+        import staleness_ablation as ablation
+
+        rec, cells = ablation.record_cells(RESULTS / "staleness_ablation_chain.json")
+        text = (ablation.markdown_table(ablation.COLUMNS, ablation.table_rows(cells)) if runs
+                else ablation.markdown_table(ablation.TUNED_COLUMNS, ablation.tuned_rows(cells)))
+        command = ("python benchmarks/staleness_ablation.py --from-record "
+                   "benchmarks/results/staleness_ablation_chain.json --markdown")
+        return text + "\n" + machine_line({**rec, "command": command}) + "\n"
+    return table
+
+
+def load_table() -> str:
+    """load_tools.py, both modes: episodes, losses, tool calls, and memory and descriptors from
+    the per-10 s samples after the first minute (the warm-up)."""
+    rows = ["| | episodes (returned / submitted) | lost / duplicated | tool calls answered / 503s "
+            "| RSS, minute 1 -> 10 | open descriptors after minute 1 | service RSS / descriptors |",
+            "|---|---|---|---|---|---|---|"]
+    commands = []
+    for mode in ("workflow", "proxy"):
+        rec = record(f"load_tools_{mode}.json")
+        commands.append(f"`{rec['command']}`")
+        after = [x for x in rec["samples"] if x["t"] >= 60]
+        calls = rec["service_calls"]
+        refused = calls.get("bad_call", 0) + calls.get("unknown_tool", 0)
+
+        def span(key: str) -> str:
+            return f"{min(x[key] for x in after):,}-{max(x[key] for x in after):,}"
+
+        rows.append(
+            f"| {mode} | {rec['returned']:,} / {rec['submitted']:,} "
+            f"({rec['returned'] / rec['seconds']:.1f}/s) | {rec['lost']} / {rec['duplicated']} | "
+            f"{calls['answer']:,} / {calls['error']:,}"
+            + (f" (+{refused} refused calls)" if refused else "") + " | "
+            f"{after[0]['rss_mib']:,.1f} -> {after[-1]['rss_mib']:,.1f} MiB | {span('fds')} | "
+            f"{after[0]['service_rss_mib']:.1f} -> {after[-1]['service_rss_mib']:.1f} MiB / "
+            f"{span('service_fds')} |")
+    return "\n".join(rows) + "\n\nCommands: " + "; ".join(commands) + ".\n"
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "load-tools": load_table,
+    "staleness-tuned": staleness_table(runs=False),
+    "staleness-runs": staleness_table(runs=True),
+    "engine-vs-servers": engine_vs_servers_table,
+    "vlm-engine": vlm_engine_table,
     "engine-archs": archs_table("bench_engine_archs.json"),
     "engine-archs-moe": archs_table("bench_engine_archs_moe.json"),
     "main-job": seeds_table("main_job.json"),

@@ -180,19 +180,27 @@ def tuned_rows(cells: list[dict]) -> list[tuple[str, ...]]:
     return rows
 
 
-def print_markdown(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+def markdown_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def record_cells(path: Path) -> tuple[dict, list[dict]]:
+    """A record and its cells, with the fields older records lack filled in."""
+    rec = json.loads(Path(path).read_text())
+    for c in rec["cells"]:  # records of the main-job ablation predate these fields
+        c.setdefault("minibatches", 1)
+        c.setdefault("lr", 2e-4)
+        for k in ("behav_weight_max", "behav_dropped_frac"):
+            c.setdefault(k, float("nan"))
+    return rec, rec["cells"]
 
 
 def report(cells: list[dict], console: Console, markdown: bool = False) -> None:
     rows = table_rows(cells)
-    if markdown:  # the README's tables
-        print_markdown(COLUMNS, rows)
-        print()
-        print_markdown(TUNED_COLUMNS, tuned_rows(cells))
+    if markdown:  # the docs' tables (benchmarks/results_pages.py writes them into the page)
+        print(markdown_table(COLUMNS, rows))
+        print(markdown_table(TUNED_COLUMNS, tuned_rows(cells)), end="")
         return
     console.print(rich_table("staleness ablation (chain job; held-out greedy accuracy after equal "
                              "training time; mean over seeds)", COLUMNS, rows))
@@ -235,13 +243,7 @@ def main() -> None:
     args = ap.parse_args()
     console = Console(width=200)
     if args.from_record:
-        rec = json.loads(Path(args.from_record).read_text())
-        for c in rec["cells"]:  # records of the main-job ablation predate these fields
-            c.setdefault("minibatches", 1)
-            c.setdefault("lr", 2e-4)
-            for k in ("behav_weight_max", "behav_dropped_frac"):
-                c.setdefault(k, float("nan"))
-        report(rec["cells"], console, args.markdown)
+        report(record_cells(Path(args.from_record))[1], console, args.markdown)
         return
     objectives = args.objectives.split(",")
     bad = [o for o in objectives if o not in OBJECTIVES]
