@@ -53,3 +53,15 @@ def test_readme_quotes_the_record(name):
     for figure in (f"{s['mean_initial']:.1%}", f"{s['mean_final']:.1%}",
                    f"{s['worst_final']:.1%}"):
         assert figure in readme, f"README does not quote {figure} from {name}; {rerun}"
+
+
+def test_readme_quotes_the_quick_starts_timing():
+    """The quick start's time from a fresh clone comes from benchmarks/quickstart_time.py."""
+    rec = json.loads((RESULTS / "quickstart.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    minutes = f"{rec['total_seconds'] / 60:.1f} min"
+    first, last = rec["accuracy_first_last"]
+    for figure in (minutes, f"{first[1]:.1%}", f"{last[1]:.1%}"):
+        assert figure in readme, (f"README does not quote {figure} from quickstart.json; rerun "
+                                  f"`{rec['command']}` and update the quick start")
+    assert rec["first"] in readme and rec["install"] in readme

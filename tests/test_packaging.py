@@ -1,5 +1,6 @@
 """What a built wheel carries: the C++ kernel sources the engine compiles on first use, the
-`py.typed` marker, the license; and every package-data pattern names files that exist."""
+`py.typed` marker, the shipped warm start, the license; and every package-data pattern names
+files that exist."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def test_wheel_carries_kernels_marker_and_license(tmp_path):
                    capture_output=True, timeout=300)
     names = zipfile.ZipFile(next(tmp_path.glob("asyncrl-*.whl"))).namelist()
     assert "asyncrl/py.typed" in names
+    shipped = [p.relative_to(ROOT).as_posix() for p in (ROOT / "asyncrl/warm_starts").rglob("*")
+               if p.is_file()]
+    assert shipped and set(shipped) <= set(names), "the shipped warm start is not in the wheel"
     sources = [p.name for p in (ROOT / "asyncrl/inference/csrc").iterdir()]
     assert all(f"asyncrl/inference/csrc/{name}" in names for name in sources)
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith("/LICENSE")
