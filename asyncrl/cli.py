@@ -41,7 +41,7 @@ def cmd_sft(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from asyncrl.launch.serve import serve, server_config_from_args
+    from asyncrl.models.chat_options import ChatOptions
 
     bad = [a for a in ns.overrides if "=" not in a]
     if bad:
@@ -51,6 +51,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                                                 ("reasoning_parser", ns.reasoning_parser),
                                                 ("chat_template_kwargs", ns.chat_template_kwargs))
             if value is not None]  # a JSON object is valid YAML, which overrides parse
+    ChatOptions.load(None, chat)  # an unknown parser is refused before the server's imports
+    from asyncrl.launch.serve import serve, server_config_from_args
+
     serve(server_config_from_args(ns.model, ns.port, ns.host, api_key, chat + ns.overrides,
                                   trust_remote_code=ns.trust_remote_code))
     return 0
