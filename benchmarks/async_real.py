@@ -171,17 +171,17 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def report(rows: list[dict], target: float | None, console: Console) -> None:
-    """Per eta, the mean over seeds; ratios against eta = 0 (the synchronous loop). Time to
-    target: training seconds to the first evaluation at or above `target`, the mean over seeds
-    where a seed that never reached it counts its whole budget (so the mean is a lower bound,
-    marked >=; k/n says how many reached it). The speedup is marked >= or <= when one side is
-    such a bound, ~ when both are."""
-    base_key = SYNC
+def report_rows(rows: list[dict], target: float | None) -> list[dict]:
+    """Per (eta, placement), the mean over seeds; ratios against eta = 0 (the synchronous loop).
+    Time to target: training seconds to the first evaluation at or above `target`, the mean over
+    seeds where a seed that never reached it counts its whole budget (so the mean is a lower
+    bound, marked >=; k/n says how many reached it). The speedup is marked >= or <= when one side
+    is such a bound, ~ when both are."""
     by = {}
     for r in rows:
         by.setdefault((r["eta"], r["placement"]), []).append(r)
-    base = next((v for (eta, where), v in by.items() if eta == 0 and where == base_key), None)
+    base = next((v for (eta, where), v in by.items() if eta == 0 and where == SYNC), None)
+
     def reached(run: dict) -> tuple[float, bool]:
         """Training seconds to the target (from the curve, so --report can take another
         target), or the run's whole budget, censored, when it never got there."""
@@ -194,6 +194,34 @@ def report(rows: list[dict], target: float | None, console: Console) -> None:
         got = [reached(r) for r in runs]
         return mean([t for t, _ in got]), sum(not c for _, c in got)
 
+    out = []
+    for (eta, where), runs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != SYNC)):
+        sps, gen = mean([r["steps_per_s"] for r in runs]), mean([r["gen_tokens_per_s"]
+                                                                 for r in runs])
+        t_mean, hits = to_target(runs)
+        speed = "1.00x" if runs is base else "-"
+        if base and hits and runs is not base:
+            b_mean, b_hits = to_target(base)
+            bound = (">=" if b_hits < len(base) else "") if hits == len(runs) else "<=" \
+                if b_hits == len(base) else "~"
+            speed = f"{bound}{b_mean / t_mean:.2f}x"
+        out.append({
+            "eta": eta, "placement": where, "seeds": len(runs), "steps_per_s": sps,
+            "gen_tokens_per_s": gen,
+            "engine_idle": mean([r["engine_idle_frac"] for r in runs]),
+            "acc_start": mean([r["initial_accuracy"] or 0 for r in runs]),
+            "acc_end": mean([r["final_accuracy"] or 0 for r in runs]),
+            "acc_best": mean([r["best_accuracy"] or 0 for r in runs]),
+            "to_target": (f"{'>=' if hits < len(runs) else ''}{t_mean:.0f} s "
+                          f"({hits}/{len(runs)})"),
+            "steps_vs_sync": sps / mean([r["steps_per_s"] for r in base]) if base else None,
+            "gen_vs_sync": gen / mean([r["gen_tokens_per_s"] for r in base]) if base else None,
+            "speedup": speed})
+    return out
+
+
+def report(rows: list[dict], target: float | None, console: Console) -> None:
+    """report_rows as a table, then every run's curve."""
     table = Table(title="asyncrl train: the synchronous loop (eta = 0, whole machine) vs "
                         "asynchronous, generation and training on CPUs of their own; target "
                         f"{'-' if target is None else f'{target:.0%}'} held-out greedy accuracy; "
@@ -203,25 +231,13 @@ def report(rows: list[dict], target: float | None, console: Console) -> None:
                 "gen tok/s vs sync", "time-to-target speedup"):
         table.add_column(col, justify="right")
     pct = lambda x: "-" if x is None or x != x else f"{x:.1%}"  # noqa: E731
-    for (eta, where), runs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != base_key)):
-        sps, gen = mean([r["steps_per_s"] for r in runs]), mean([r["gen_tokens_per_s"]
-                                                                 for r in runs])
-        t_mean, hits = to_target(runs)
-        ratio = lambda x, key: (f"{x / mean([r[key] for r in base]):.2f}x"  # noqa: E731
-                                if base else "-")
-        speed = "1.00x" if runs is base else "-"
-        if base and hits and runs is not base:
-            b_mean, b_hits = to_target(base)
-            bound = (">=" if b_hits < len(base) else "") if hits == len(runs) else "<=" \
-                if b_hits == len(base) else "~"
-            speed = f"{bound}{b_mean / t_mean:.2f}x"
-        table.add_row(str(eta), where, str(len(runs)), f"{sps:.3f}", f"{gen:,.0f}",
-                      pct(mean([r["engine_idle_frac"] for r in runs])),
-                      pct(mean([r["initial_accuracy"] or 0 for r in runs])),
-                      pct(mean([r["final_accuracy"] or 0 for r in runs])),
-                      pct(mean([r["best_accuracy"] or 0 for r in runs])),
-                      f"{'>=' if hits < len(runs) else ''}{t_mean:.0f}s ({hits}/{len(runs)})",
-                      ratio(sps, "steps_per_s"), ratio(gen, "gen_tokens_per_s"), speed)
+    ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+    for r in report_rows(rows, target):
+        table.add_row(str(r["eta"]), r["placement"], str(r["seeds"]), f"{r['steps_per_s']:.3f}",
+                      f"{r['gen_tokens_per_s']:,.0f}", pct(r["engine_idle"]),
+                      pct(r["acc_start"]), pct(r["acc_end"]), pct(r["acc_best"]),
+                      r["to_target"], ratio(r["steps_vs_sync"]), ratio(r["gen_vs_sync"]),
+                      r["speedup"])
     console.print(table)
     for r in rows:
         pts = ", ".join(f"{step}:{acc:.0%}@{t:.0f}s" for step, t, acc in r["curve"])

@@ -254,7 +254,23 @@ def load_table() -> str:
     return "\n".join(rows) + "\n\nCommands: " + "; ".join(commands) + ".\n"
 
 
+def chain_async_table() -> str:
+    """bench_async.py --mode real on the chain job: per (eta, placement), the mean over seeds
+    against the synchronous loop (async_real.report_rows, the same figures as --report)."""
+    from async_real import report_rows
+
+    rec, target = record("bench_async_real.json"), 0.30
+    rows = ["| eta | placement | steps/s | vs sync | engine idle | final acc. | time to "
+            f"{target:.0%} (seeds that got there) | vs sync |", "|---|---|---|---|---|---|---|---|"]
+    for r in report_rows(rec["runs"], target):
+        rows.append(f"| {r['eta']} | {r['placement'].split(':')[0]} | {r['steps_per_s']:.3f} | "
+                    f"{r['steps_vs_sync']:.2f}x | {r['engine_idle']:.0%} | {pct(r['acc_end'])} | "
+                    f"{r['to_target']} | {r['speedup']} |")
+    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "chain-async": chain_async_table,
     "load-tools": load_table,
     "staleness-tuned": staleness_table(runs=False),
     "staleness-runs": staleness_table(runs=True),
