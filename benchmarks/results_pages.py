@@ -26,7 +26,8 @@ from async_real import time_to  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "results"
-BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)",
+BLOCK = re.compile(r"(?P<indent>[ ]*)(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+                   r"([ ]*<!-- /generated -->)",
                    re.S)
 
 
@@ -269,7 +270,34 @@ def chain_async_table() -> str:
     return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
 
 
+def chain_lr_table(name: str, targets: tuple[float, ...] = (0.35, 0.40, 0.45)
+                   ) -> Callable[[], str]:
+    """bench_async.py on the chain job at one learning rate: per (eta, placement), the mean over
+    seeds, and the time to each target with its speedup against the synchronous loop."""
+    def table() -> str:
+        from async_real import report_rows
+
+        rec = record(name)
+        per_target = [report_rows(rec["runs"], t) for t in targets]
+        rows = ["| eta | placement | steps/s | gen tok/s | engine idle | end | "
+                + " | ".join(f"to {t:.0%}" for t in targets) + " |",
+                "|---|---|---|---|---|---|" + "---|" * len(targets)]
+        for k, r in enumerate(per_target[0]):
+            vs = "" if r["speedup"] == "1.00x" else f" ({r['steps_vs_sync']:.2f}x)"
+            times = [rows_t[k]["to_target"] if rows_t[k]["speedup"] == "1.00x"
+                     else f"{rows_t[k]['to_target'][:-1]}, {rows_t[k]['speedup']})"
+                     for rows_t in per_target]  # "26 s (3/3, 0.97x)": seeds that got there
+            rows.append(f"| {r['eta']} | {r['placement'].split(':')[0]} | "
+                        f"{r['steps_per_s']:.3f}{vs} | {r['gen_tokens_per_s']:,.0f} | "
+                        f"{pct(r['engine_idle'])} | {pct(r['acc_end'])} | "
+                        + " | ".join(times) + " |")
+        return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+    return table
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "chain-async-lr1e-4": chain_lr_table("bench_async_real_lr1e-4.json"),
+    "chain-async-lr5e-5": chain_lr_table("bench_async_real_lr5e-5.json"),
     "chain-async": chain_async_table,
     "load-tools": load_table,
     "staleness-tuned": staleness_table(runs=False),
@@ -290,7 +318,13 @@ def render(page: str) -> str:
         name = match["name"]
         if name not in TABLES:
             raise SystemExit(f"unknown generated table {name!r}; known: {sorted(TABLES)}")
-        return match[1] + TABLES[name]() + match[4]
+        # a table inside a list item keeps the item's indentation, and a blank line after the
+        # marker (without it Python-Markdown reads the table as part of the comment's block)
+        indent = match["indent"]
+        body = "".join(indent + line if line.strip() else line
+                       for line in TABLES[name]().splitlines(keepends=True))
+        body = "\n" + body if indent else body
+        return indent + match[2] + body + match[5]
     return BLOCK.sub(body, page)
 
 

@@ -20,6 +20,11 @@ def test_the_site_builds_strictly(tmp_path):
                           str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "api" / "index.html").is_file()
+    for page in (ROOT / "docs" / "results").glob("*.md"):  # generated tables render as tables
+        generated = page.read_text().count("<!-- generated: ")
+        html = (tmp_path / "site" / "results" / page.stem / "index.html").read_text()
+        assert html.count("<table>") >= generated, (
+            f"a generated table in {page.name} does not render as a table")
 
 
 def test_the_readme_links_resolve():
