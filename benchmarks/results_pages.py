@@ -295,7 +295,32 @@ def chain_lr_table(name: str, targets: tuple[float, ...] = (0.35, 0.40, 0.45)
     return table
 
 
+def staleness_main_job_table() -> str:
+    """staleness_ablation.py's earlier record on the main job: per objective and eta, the final
+    accuracy's mean over seeds (the best cell in bold)."""
+    rec = record("staleness_ablation.json")
+    labels = {"naive": "naive PPO (`proximal_logprobs: behaviour`)",
+              "decoupled": "decoupled (`recompute`)",
+              "decoupled+tis": "decoupled + truncated IS (cap 2)"}
+    finals: dict[tuple[str, int], list[float]] = {}
+    for c in rec["cells"]:
+        finals.setdefault((c["objective"], c["eta"]), []).append(c["final"])
+    means = {k: statistics.mean(v) for k, v in finals.items()}
+    etas = sorted({eta for _, eta in means})
+    best = max(means.values())
+    rows = ["| objective | " + " | ".join(f"eta {e}" for e in etas) + " |",
+            "|---|" + "---|" * len(etas)]
+    order = list(labels)
+    for obj in sorted({o for o, _ in means},
+                      key=lambda o: order.index(o) if o in order else len(order)):
+        cells = [f"**{pct(means[obj, e])}**" if means.get((obj, e)) == best
+                 else pct(means.get((obj, e))) for e in etas]
+        rows.append(f"| {labels.get(obj, obj)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "staleness-main-job": staleness_main_job_table,
     "chain-async-lr1e-4": chain_lr_table("bench_async_real_lr1e-4.json"),
     "chain-async-lr5e-5": chain_lr_table("bench_async_real_lr5e-5.json"),
     "chain-async": chain_async_table,
