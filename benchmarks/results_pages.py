@@ -31,6 +31,14 @@ BLOCK = re.compile(r"(?P<indent>[ ]*)(<!-- generated: (?P<name>[\w-]+) -->\n)(?P
                    re.S)
 
 
+def markdown_table(columns: list[str] | tuple[str, ...], rows: list, rec: dict | None = None
+                   ) -> str:
+    """A markdown table of string cells, then the record's command and machine when given."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    text = "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+    return text if rec is None else text + "\n" + machine_line(rec) + "\n"
+
+
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
@@ -190,26 +198,23 @@ def tok_s(x: float | None) -> str:
 def engine_vs_servers_table() -> str:
     """bench_engine.py: per batch, tokens/s of HF generate, ours, vLLM-CPU, SGLang, and ratios."""
     rec = record("bench_engine_sglang.json")
-    rows = ["| batch | HF `generate` | asyncrl engine | vLLM-CPU | SGLang | ours/HF | ours/vLLM "
-            "| ours/SGLang |", "|---|---|---|---|---|---|---|---|"]
-    for r in rec["rows"]:
-        rows.append(f"| {r['batch']} | {tok_s(r['hf'])} | {tok_s(r['ours'])} | "
-                    f"{tok_s(r['vllm'])} | {tok_s(r['sglang'])} | {ratio(r['ours'], r['hf'])} | "
-                    f"{ratio(r['ours'], r['vllm'])} | {ratio(r['ours'], r['sglang'])} |")
-    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+    return markdown_table(
+        ["batch", "HF `generate`", "asyncrl engine", "vLLM-CPU", "SGLang", "ours/HF",
+         "ours/vLLM", "ours/SGLang"],
+        [[str(r["batch"]), tok_s(r["hf"]), tok_s(r["ours"]), tok_s(r["vllm"]),
+          tok_s(r["sglang"]), ratio(r["ours"], r["hf"]), ratio(r["ours"], r["vllm"]),
+          ratio(r["ours"], r["sglang"])] for r in rec["rows"]], rec)
 
 
 def vlm_engine_table() -> str:
     """bench_vlm.py: per batch, tokens/s of transformers generate and the engine's two paths."""
     rec = record("bench_vlm.json")
-    rows = ["| batch | transformers `generate` | engine (compact) | engine (transformers "
-            "fallback) | compact / generate |", "|---|---|---|---|---|"]
-    for r in rec["by_batch"]:
-        rows.append(f"| {r['batch']} | {tok_s(r['hf_tokens_per_s'])} tok/s | "
-                    f"{tok_s(r['native_tokens_per_s'])} tok/s | "
-                    f"{tok_s(r['fallback_tokens_per_s'])} tok/s | "
-                    f"{r['native_over_hf']:.1f}x |")
-    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+    return markdown_table(
+        ["batch", "transformers `generate`", "engine (compact)",
+         "engine (transformers fallback)", "compact / generate"],
+        [[str(r["batch"]), *(f"{tok_s(r[k])} tok/s" for k in (
+            "hf_tokens_per_s", "native_tokens_per_s", "fallback_tokens_per_s")),
+          f"{r['native_over_hf']:.1f}x"] for r in rec["by_batch"]], rec)
 
 
 def staleness_table(runs: bool) -> Callable[[], str]:
@@ -219,21 +224,19 @@ def staleness_table(runs: bool) -> Callable[[], str]:
         import staleness_ablation as ablation
 
         rec, cells = ablation.record_cells(RESULTS / "staleness_ablation_chain.json")
-        text = (ablation.markdown_table(ablation.COLUMNS, ablation.table_rows(cells)) if runs
-                else ablation.markdown_table(ablation.TUNED_COLUMNS, ablation.tuned_rows(cells)))
         command = ("python benchmarks/staleness_ablation.py --from-record "
                    "benchmarks/results/staleness_ablation_chain.json --markdown")
-        return text + "\n" + machine_line({**rec, "command": command}) + "\n"
+        rec = {**rec, "command": command}
+        if runs:
+            return markdown_table(ablation.COLUMNS, ablation.table_rows(cells), rec)
+        return markdown_table(ablation.TUNED_COLUMNS, ablation.tuned_rows(cells), rec)
     return table
 
 
 def load_table() -> str:
     """load_tools.py, both modes: episodes, losses, tool calls, and memory and descriptors from
     the per-10 s samples after the first minute (the warm-up)."""
-    rows = ["| | episodes (returned / submitted) | lost / duplicated | tool calls answered / 503s "
-            "| RSS, minute 1 -> 10 | open descriptors after minute 1 | service RSS / descriptors |",
-            "|---|---|---|---|---|---|---|"]
-    commands = []
+    rows, commands = [], []
     for mode in ("workflow", "proxy"):
         rec = record(f"load_tools_{mode}.json")
         commands.append(f"`{rec['command']}`")
@@ -244,15 +247,18 @@ def load_table() -> str:
         def span(key: str) -> str:
             return f"{min(x[key] for x in after):,}-{max(x[key] for x in after):,}"
 
-        rows.append(
-            f"| {mode} | {rec['returned']:,} / {rec['submitted']:,} "
-            f"({rec['returned'] / rec['seconds']:.1f}/s) | {rec['lost']} / {rec['duplicated']} | "
+        rows.append([
+            mode, f"{rec['returned']:,} / {rec['submitted']:,} "
+            f"({rec['returned'] / rec['seconds']:.1f}/s)", f"{rec['lost']} / {rec['duplicated']}",
             f"{calls['answer']:,} / {calls['error']:,}"
-            + (f" (+{refused} refused calls)" if refused else "") + " | "
-            f"{after[0]['rss_mib']:,.1f} -> {after[-1]['rss_mib']:,.1f} MiB | {span('fds')} | "
+            + (f" (+{refused} refused calls)" if refused else ""),
+            f"{after[0]['rss_mib']:,.1f} -> {after[-1]['rss_mib']:,.1f} MiB", span("fds"),
             f"{after[0]['service_rss_mib']:.1f} -> {after[-1]['service_rss_mib']:.1f} MiB / "
-            f"{span('service_fds')} |")
-    return "\n".join(rows) + "\n\nCommands: " + "; ".join(commands) + ".\n"
+            f"{span('service_fds')}"])
+    columns = ["", "episodes (returned / submitted)", "lost / duplicated",
+               "tool calls answered / 503s", "RSS, minute 1 -> 10",
+               "open descriptors after minute 1", "service RSS / descriptors"]
+    return markdown_table(columns, rows) + "\nCommands: " + "; ".join(commands) + ".\n"
 
 
 def chain_async_table() -> str:
@@ -261,13 +267,12 @@ def chain_async_table() -> str:
     from async_real import report_rows
 
     rec, target = record("bench_async_real.json"), 0.30
-    rows = ["| eta | placement | steps/s | vs sync | engine idle | final acc. | time to "
-            f"{target:.0%} (seeds that got there) | vs sync |", "|---|---|---|---|---|---|---|---|"]
-    for r in report_rows(rec["runs"], target):
-        rows.append(f"| {r['eta']} | {r['placement'].split(':')[0]} | {r['steps_per_s']:.3f} | "
-                    f"{r['steps_vs_sync']:.2f}x | {r['engine_idle']:.0%} | {pct(r['acc_end'])} | "
-                    f"{r['to_target']} | {r['speedup']} |")
-    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+    columns = ["eta", "placement", "steps/s", "vs sync", "engine idle", "final acc.",
+               f"time to {target:.0%} (seeds that got there)", "vs sync"]
+    return markdown_table(columns, [
+        [str(r["eta"]), r["placement"].split(":")[0], f"{r['steps_per_s']:.3f}",
+         f"{r['steps_vs_sync']:.2f}x", f"{r['engine_idle']:.0%}", pct(r["acc_end"]),
+         r["to_target"], r["speedup"]] for r in report_rows(rec["runs"], target)], rec)
 
 
 def chain_lr_table(name: str, targets: tuple[float, ...] = (0.35, 0.40, 0.45)
@@ -279,19 +284,18 @@ def chain_lr_table(name: str, targets: tuple[float, ...] = (0.35, 0.40, 0.45)
 
         rec = record(name)
         per_target = [report_rows(rec["runs"], t) for t in targets]
-        rows = ["| eta | placement | steps/s | gen tok/s | engine idle | end | "
-                + " | ".join(f"to {t:.0%}" for t in targets) + " |",
-                "|---|---|---|---|---|---|" + "---|" * len(targets)]
+        rows = []
         for k, r in enumerate(per_target[0]):
             vs = "" if r["speedup"] == "1.00x" else f" ({r['steps_vs_sync']:.2f}x)"
             times = [rows_t[k]["to_target"] if rows_t[k]["speedup"] == "1.00x"
                      else f"{rows_t[k]['to_target'][:-1]}, {rows_t[k]['speedup']})"
                      for rows_t in per_target]  # "26 s (3/3, 0.97x)": seeds that got there
-            rows.append(f"| {r['eta']} | {r['placement'].split(':')[0]} | "
-                        f"{r['steps_per_s']:.3f}{vs} | {r['gen_tokens_per_s']:,.0f} | "
-                        f"{pct(r['engine_idle'])} | {pct(r['acc_end'])} | "
-                        + " | ".join(times) + " |")
-        return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+            rows.append([str(r["eta"]), r["placement"].split(":")[0],
+                         f"{r['steps_per_s']:.3f}{vs}", f"{r['gen_tokens_per_s']:,.0f}",
+                         pct(r["engine_idle"]), pct(r["acc_end"]), *times])
+        columns = ["eta", "placement", "steps/s", "gen tok/s", "engine idle", "end",
+                   *(f"to {t:.0%}" for t in targets)]
+        return markdown_table(columns, rows, rec)
     return table
 
 
@@ -308,15 +312,13 @@ def staleness_main_job_table() -> str:
     means = {k: statistics.mean(v) for k, v in finals.items()}
     etas = sorted({eta for _, eta in means})
     best = max(means.values())
-    rows = ["| objective | " + " | ".join(f"eta {e}" for e in etas) + " |",
-            "|---|" + "---|" * len(etas)]
-    order = list(labels)
+    rows, order = [], list(labels)
     for obj in sorted({o for o, _ in means},
                       key=lambda o: order.index(o) if o in order else len(order)):
         cells = [f"**{pct(means[obj, e])}**" if means.get((obj, e)) == best
                  else pct(means.get((obj, e))) for e in etas]
-        rows.append(f"| {labels.get(obj, obj)} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n\n" + machine_line(rec) + "\n"
+        rows.append([labels.get(obj, obj), *cells])
+    return markdown_table(["objective", *(f"eta {e}" for e in etas)], rows, rec)
 
 
 TABLES: dict[str, Callable[[], str]] = {

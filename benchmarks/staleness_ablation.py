@@ -180,11 +180,6 @@ def tuned_rows(cells: list[dict]) -> list[tuple[str, ...]]:
     return rows
 
 
-def markdown_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
-
-
 def record_cells(path: Path) -> tuple[dict, list[dict]]:
     """A record and its cells, with the fields older records lack filled in."""
     rec = json.loads(Path(path).read_text())
@@ -199,6 +194,8 @@ def record_cells(path: Path) -> tuple[dict, list[dict]]:
 def report(cells: list[dict], console: Console, markdown: bool = False) -> None:
     rows = table_rows(cells)
     if markdown:  # the docs' tables (benchmarks/results_pages.py writes them into the page)
+        from results_pages import markdown_table
+
         print(markdown_table(COLUMNS, rows))
         print(markdown_table(TUNED_COLUMNS, tuned_rows(cells)), end="")
         return
