@@ -1,9 +1,9 @@
 """asyncrl's main job against TRL's GRPOTrainer, side by side on this machine.
 
     pip install -e ".[bench]"            # TRL is a benchmark dependency, never a core one
-    python benchmarks/bench_vs_trl.py --seconds 240 --trl-lrs 2e-5 5e-5 1e-4
+    python benchmarks/bench_vs_trl.py --seconds 150 --trl-lrs 2e-5 5e-5 1e-4
 
-Both start from the same SFT warm start (the main job's, trained first if not cached) and train
+Both start from the same SFT warm start (the main job's: the cache's, else the shipped one) and train
 on the same task (2-digit addition, the chat prompts asyncrl uses, checked token for token), with
 the same batch (16 prompts x 8 samples per step), temperature 1, at most 8 new tokens, beta 0,
 token-mean loss, group-normalised advantages, AdamW betas (0.9, 0.95), grad clip 1, 5 warm-up
@@ -11,7 +11,8 @@ steps then a constant LR, the same exact-answer reward, and the same evaluation:
 on the same 256 held-out problems every 10 steps (evaluation time is not training time). asyncrl
 runs `asyncrl train configs/train_tiny.yaml` as a user would; TRL runs in this process on every
 core, in float32 like asyncrl, without activation checkpointing (its default, slower here). TRL gets an LR sweep and its best run (by best accuracy) is the
-baseline. Prints steps/s, tokens/s, each curve against training seconds, and the ratios; writes
+baseline. Prints steps/s, tokens/s, the share of groups whose 8 samples had one reward, each
+curve against training seconds, and the ratios; writes
 benchmarks/results/bench_vs_trl.json.
 """
 
@@ -51,6 +52,7 @@ class Run:
     steps: int = 0
     train_seconds: float = 0.0
     tokens: int = 0  # prompt + completion tokens trained on
+    uniform_groups: float = float("nan")  # share of groups whose samples all had one reward
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # step, train s, acc
 
     @property
@@ -75,7 +77,11 @@ def run_asyncrl(seconds: float, out: Path, console: Console) -> Run:
                   console)
     if s is None:
         raise SystemExit("the asyncrl run failed; see its output above")
-    return Run("asyncrl", lr, s.steps, s.train_seconds, s.train_tokens, s.curve)
+    rows = [json.loads(line) for line in (out / "asyncrl" / "metrics.jsonl").open()]
+    episodes = [(r["rollout/episodes"], r["rollout/kept_frac"]) for r in rows
+                if r.get("rollout/episodes")]
+    kept = sum(n * f for n, f in episodes) / max(sum(n for n, _ in episodes), 1)
+    return Run("asyncrl", lr, s.steps, s.train_seconds, s.train_tokens, 1 - kept, s.curve)
 
 
 def trl_dataset(cfg: TrainRunConfig, tokenizer):
@@ -150,7 +156,10 @@ def run_trl(lr: float, seconds: float, warm: Path, out: Path, console: Console) 
                           train_dataset=trl_dataset(cfg, tokenizer), processing_class=tokenizer,
                           callbacks=[Budget()])
     trainer.train()
-    run.tokens = int(max((h.get("num_tokens", 0) for h in trainer.state.log_history), default=0))
+    history = trainer.state.log_history
+    run.tokens = int(max((h.get("num_tokens", 0) for h in history), default=0))
+    zero_std = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
+    run.uniform_groups = sum(zero_std) / len(zero_std) if zero_std else float("nan")
     if run.curve[-1][0] != run.steps:
         run.curve.append((run.steps, run.train_seconds, evaluate(model)))
     return run
@@ -160,13 +169,14 @@ def report(ours: Run, trl_runs: list[Run], console: Console) -> dict:
     base = max(trl_runs, key=lambda r: r.best)
     pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     table = Table(title="asyncrl vs TRL GRPOTrainer: same warm start, task, batch, eval")
-    for col in ("run", "lr", "steps", "train s", "steps/s", "tokens/s", "acc start", "acc end",
-                "acc best"):
+    for col in ("run", "lr", "steps", "train s", "steps/s", "tokens/s", "uniform groups",
+                "acc start", "acc end", "acc best"):
         table.add_column(col, justify="right")
     for r in [ours, *trl_runs]:
         name = r.name + (" (best TRL)" if r is base else "")
         table.add_row(name, f"{r.lr:g}", str(r.steps), f"{r.train_seconds:.0f}",
-                      f"{r.steps_per_s:.3f}", f"{r.tokens_per_s:,.0f}", pct(r.curve[0][2]),
+                      f"{r.steps_per_s:.3f}", f"{r.tokens_per_s:,.0f}",
+                      pct(r.uniform_groups), pct(r.curve[0][2]),
                       pct(r.curve[-1][2]), pct(r.best))
     console.print(table)
     for r in [ours, *trl_runs]:
@@ -189,8 +199,9 @@ def report(ours: Run, trl_runs: list[Run], console: Console) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=300.0, help="training seconds per run")
-    # 2e-4 (asyncrl's) and 1e-3 collapsed TRL in a first sweep; 5e-5 was its best
+    ap.add_argument("--seconds", type=float, default=150.0,
+                    help="training seconds per run (the main job's budget)")
+    # 2e-4 and 1e-3 collapsed TRL in a first sweep (from the earlier warm start); 5e-5 was its best
     ap.add_argument("--trl-lrs", type=float, nargs="+", default=[2e-5, 5e-5, 1e-4])
     ap.add_argument("--out", default="runs/bench_vs_trl")
     ap.add_argument("--record", default=str(ROOT / "benchmarks" / "results" / "bench_vs_trl.json"))

@@ -321,7 +321,28 @@ def staleness_main_job_table() -> str:
     return markdown_table(["objective", *(f"eta {e}" for e in etas)], rows, rec)
 
 
+def vs_trl_table() -> str:
+    """bench_vs_trl.py: asyncrl and each TRL learning rate: speed, uniform groups, accuracy, and
+    the training seconds to the first evaluation at 80% and at 85%."""
+    rec = record("bench_vs_trl.json")
+    best_trl = max((r for r in rec["runs"] if r["name"] == "trl"),
+                   key=lambda r: max(acc for *_, acc in r["curve"]))
+    rows = []
+    for r in rec["runs"]:
+        accs = [acc for *_, acc in r["curve"]]
+        reach = [next((f"{t:.0f} s" for _, t, acc in r["curve"] if acc >= target), "-")
+                 for target in (0.80, 0.85)]
+        name = "TRL GRPOTrainer" if r["name"] == "trl" else r["name"]
+        rows.append([name + (" (best)" if r is best_trl else ""), f"{r['lr']:g}", str(r["steps"]),
+                     f"{r['steps_per_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                     pct(r.get("uniform_groups")), pct(accs[0]), pct(max(accs)), pct(accs[-1]),
+                     *reach])
+    return markdown_table(("run", "lr", "steps", "steps/s", "tokens/s", "uniform groups",
+                           "start", "best", "end", "to 80%", "to 85%"), rows, rec)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "vs-trl": vs_trl_table,
     "staleness-main-job": staleness_main_job_table,
     "chain-async-lr1e-4": chain_lr_table("bench_async_real_lr1e-4.json"),
     "chain-async-lr5e-5": chain_lr_table("bench_async_real_lr5e-5.json"),
