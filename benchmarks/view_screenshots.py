@@ -9,13 +9,16 @@ chromium-driver from the OS packages) and saves, under OUT:
 - view_tokens_mismatch.png: the same step coloured by |trainer - sampler| logprob;
 - view_events.png: the events tab.
 
-    python benchmarks/view_screenshots.py runs/main_job --out benchmarks/results
+    python benchmarks/view_screenshots.py runs/main_job --out benchmarks/results --docs docs/assets
+
+--docs DIR also copies the two the documentation shows (curves, token versions) into DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--width", type=int, default=1500)
     ap.add_argument("--height", type=int, default=1100)
+    ap.add_argument("--docs", type=Path, help="also copy the pictures the docs show here")
     ns = ap.parse_args()
     ns.out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "view", str(ns.run),
@@ -74,6 +78,8 @@ def main() -> None:
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#events-table tr.event"))
         driver.save_screenshot(str(ns.out / "view_events.png"))
         print(f"step {step}: screenshots in {ns.out}/view_*.png")
+        for name in ("view_curves.png", "view_tokens_version.png") if ns.docs else ():
+            shutil.copyfile(ns.out / name, ns.docs / name)
     finally:
         driver.quit()
         proc.terminate()
