@@ -19,6 +19,7 @@ forward (vision tower + language model over the 64 tokens), the share of a prefi
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import tempfile
@@ -136,6 +137,7 @@ def main() -> None:
           f"a whole prompt forward, {prefill * 1e3:.2f} ms per prompt)")
     result = {
         "command": " ".join(["python", "benchmarks/bench_vlm.py", *sys.argv[1:]]),
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "machine_threads": torch.get_num_threads(), "new_tokens": args.new_tokens,
         "prompt_tokens": len(all_prompts[0]),
         "image_tokens": all_prompts[0].count(encoder.pad_id), "by_batch": rows_out,
