@@ -22,6 +22,7 @@ def uniform_rewards(traj: Trajectory) -> bool:
 
 class RolloutMonitor:
     setting = "filter_uniform_groups"  # what the executor's rejection messages name
+
     def __init__(self, drop_uniform_groups: bool) -> None:
         self.drop_uniform = drop_uniform_groups
         self._lock = threading.Lock()
