@@ -220,7 +220,8 @@ def main() -> None:
             ratios = {f"over_{k}": r["tok_s"] / v for k, v in base.items() if v}
             share = r["tok_s"] / (bw_roofline if batch == 1 else roofline)
             rows.append([batch, name, f"{r['tok_s']:,.0f}", f"{r['ms_per_step']:.2f}",
-                         *(f"{ratios.get(f'over_{k}', 0):.2f}" for k in ("hf", "hf-compiled")),
+                         *(f"{ratios[f'over_{k}']:.2f}" if f"over_{k}" in ratios else "-"
+                           for k in ("hf", "hf-compiled")),
                          f"{share:.1%}", "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
                          "-" if r.get("capture_s") is None else f"{r['capture_s']:.1f}",
                          "-" if "trainer_logprob_gap" not in r
