@@ -217,15 +217,14 @@ def vlm_engine_table() -> str:
           f"{r['native_over_hf']:.1f}x"] for r in rec["by_batch"]], rec)
 
 
-def staleness_table(runs: bool) -> Callable[[], str]:
-    """staleness_ablation.py's record of the chain job: each cell at its best rate, or every
-    run by rate."""
+def staleness_table(name: str, runs: bool) -> Callable[[], str]:
+    """A staleness_ablation.py record: each cell at its best rate, or every run by rate."""
     def table() -> str:
         import staleness_ablation as ablation
 
-        rec, cells = ablation.record_cells(RESULTS / "staleness_ablation_chain.json")
+        rec, cells = ablation.record_cells(RESULTS / name)
         command = ("python benchmarks/staleness_ablation.py --from-record "
-                   "benchmarks/results/staleness_ablation_chain.json --markdown")
+                   f"benchmarks/results/{name} --markdown")
         rec = {**rec, "command": command}
         if runs:
             return markdown_table(ablation.COLUMNS, ablation.table_rows(cells), rec)
@@ -299,28 +298,6 @@ def chain_lr_table(name: str, targets: tuple[float, ...] = (0.35, 0.40, 0.45)
     return table
 
 
-def staleness_main_job_table() -> str:
-    """staleness_ablation.py's earlier record on the main job: per objective and eta, the final
-    accuracy's mean over seeds (the best cell in bold)."""
-    rec = record("staleness_ablation.json")
-    labels = {"naive": "naive PPO (`proximal_logprobs: behaviour`)",
-              "decoupled": "decoupled (`recompute`)",
-              "decoupled+tis": "decoupled + truncated IS (cap 2)"}
-    finals: dict[tuple[str, int], list[float]] = {}
-    for c in rec["cells"]:
-        finals.setdefault((c["objective"], c["eta"]), []).append(c["final"])
-    means = {k: statistics.mean(v) for k, v in finals.items()}
-    etas = sorted({eta for _, eta in means})
-    best = max(means.values())
-    rows, order = [], list(labels)
-    for obj in sorted({o for o, _ in means},
-                      key=lambda o: order.index(o) if o in order else len(order)):
-        cells = [f"**{pct(means[obj, e])}**" if means.get((obj, e)) == best
-                 else pct(means.get((obj, e))) for e in etas]
-        rows.append([labels.get(obj, obj), *cells])
-    return markdown_table(["objective", *(f"eta {e}" for e in etas)], rows, rec)
-
-
 def vs_trl_table() -> str:
     """bench_vs_trl.py: asyncrl and each TRL learning rate: speed, uniform groups, accuracy, and
     the training seconds to the first evaluation at 80% and at 85%."""
@@ -343,13 +320,13 @@ def vs_trl_table() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "vs-trl": vs_trl_table,
-    "staleness-main-job": staleness_main_job_table,
+    "staleness-main-job": staleness_table("staleness_ablation_main.json", runs=True),
     "chain-async-lr1e-4": chain_lr_table("bench_async_real_lr1e-4.json"),
     "chain-async-lr5e-5": chain_lr_table("bench_async_real_lr5e-5.json"),
     "chain-async": chain_async_table,
     "load-tools": load_table,
-    "staleness-tuned": staleness_table(runs=False),
-    "staleness-runs": staleness_table(runs=True),
+    "staleness-tuned": staleness_table("staleness_ablation_chain.json", runs=False),
+    "staleness-runs": staleness_table("staleness_ablation_chain.json", runs=True),
     "engine-vs-servers": engine_vs_servers_table,
     "vlm-engine": vlm_engine_table,
     "engine-archs": archs_table("bench_engine_archs.json"),
