@@ -78,8 +78,10 @@ def main() -> None:
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#events-table tr.event"))
         driver.save_screenshot(str(ns.out / "view_events.png"))
         print(f"step {step}: screenshots in {ns.out}/view_*.png")
-        for name in ("view_curves.png", "view_tokens_version.png") if ns.docs else ():
-            shutil.copyfile(ns.out / name, ns.docs / name)
+        if ns.docs:
+            ns.docs.mkdir(parents=True, exist_ok=True)
+            for name in ("view_curves.png", "view_tokens_version.png"):
+                shutil.copyfile(ns.out / name, ns.docs / name)
     finally:
         driver.quit()
         proc.terminate()
