@@ -320,6 +320,7 @@ def vs_trl_table() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "vs-trl": vs_trl_table,
+    "staleness-main-tuned": staleness_table("staleness_ablation_main.json", runs=False),
     "staleness-main-job": staleness_table("staleness_ablation_main.json", runs=True),
     "chain-async-lr1e-4": chain_lr_table("bench_async_real_lr1e-4.json"),
     "chain-async-lr5e-5": chain_lr_table("bench_async_real_lr5e-5.json"),
