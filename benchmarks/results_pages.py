@@ -322,6 +322,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "vs-trl": vs_trl_table,
     "staleness-main-tuned": staleness_table("staleness_ablation_main.json", runs=False),
     "staleness-main-job": staleness_table("staleness_ablation_main.json", runs=True),
+    "chain-async-current": chain_lr_table("bench_async_chain.json", targets=(0.5, 0.7, 0.8)),
     "chain-async-lr1e-4": chain_lr_table("bench_async_real_lr1e-4.json"),
     "chain-async-lr5e-5": chain_lr_table("bench_async_real_lr5e-5.json"),
     "chain-async": chain_async_table,
@@ -359,14 +360,18 @@ def main() -> None:
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 if a page's generated table is out of date")
     args = ap.parse_args()
-    stale = []
+    stale, shown = [], set()
     for path in sorted(DOCS.glob("*.md")):
         text = path.read_text()
+        shown |= {m["name"] for m in BLOCK.finditer(text)}
         new = render(text)
         if new != text:
             stale.append(path.relative_to(ROOT))
             if not args.check:
                 path.write_text(new)
+    if unshown := sorted(set(TABLES) - shown):
+        raise SystemExit(f"tables no results page shows (add <!-- generated: NAME --> blocks or "
+                         f"delete them from TABLES): {', '.join(unshown)}")
     if args.check and stale:
         raise SystemExit(f"out of date (run python benchmarks/results_pages.py): "
                          f"{', '.join(map(str, stale))}")
