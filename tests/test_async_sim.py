@@ -126,6 +126,22 @@ def test_real_mode_summary_reads_a_run(tmp_path):
     assert "3.00x" in text and "2.00x" in text and "30.0%" in text
 
 
+def test_same_placement_rows_compare_with_eta0_placed_alike():
+    """A --same-placement record has no whole-machine synchronous run: each eta's ratios are
+    against eta = 0 in the same placement."""
+    from async_real import OWN, report_rows
+
+    def run(eta, sps, reach_s):
+        return {"eta": eta, "placement": OWN, "steps_per_s": sps, "gen_tokens_per_s": 10.0 * sps,
+                "engine_idle_frac": 0.5, "initial_accuracy": 0.1, "final_accuracy": 0.8,
+                "best_accuracy": 0.8, "train_seconds": 100.0,
+                "curve": [(0, 0.0, 0.1), (5, reach_s, 0.8)]}
+
+    rows = report_rows([run(0, 0.2, 30.0), run(2, 0.3, 20.0)], 0.7)
+    assert [r["speedup"] for r in rows] == ["1.00x", "1.50x"]
+    assert rows[1]["steps_vs_sync"] == pytest.approx(1.5)
+
+
 def test_tool_study_ratios_are_per_seed_and_censored_runs_count_their_budget():
     """bench_async --tails: time to the target at each eta over eta 0's, seed by seed; a run
     that never reached it counts its whole budget and is marked censored."""
