@@ -147,6 +147,9 @@ def test_monitor_counts_every_episode_and_batch_metrics():
     taken = mon.take()
     assert taken["rollout/episodes"] == 2 and taken["rollout/kept_frac"] == 0.5
     assert taken["reward/all_mean"] == 0.25
+    idle = mon.take()  # nothing finished since: a count of 0, no mean and no share (not 0.0)
+    assert idle["rollout/episodes"] == 0
+    assert "reward/all_mean" not in idle and "rollout/kept_frac" not in idle
     m = batch_metrics([mixed], version=4)
     assert m["staleness/max"] == 2 and m["staleness/token_lag_max"] == 2
     assert m["reward/mean"] == 0.5 and m["batch/tokens"] == 6

@@ -1,7 +1,8 @@
 """Numbers about rollouts for the logs: every finished episode (before filtering) and each batch.
 
 A `RolloutMonitor` is the job's acceptance rule (called on every finished trajectory on the
-executor's thread; `rejection` says, in the user's settings' names, why one was dropped); `take()` returns and resets what accumulated since the previous call.
+executor's thread; `rejection` says, in the user's settings' names, why one was dropped); `take()` returns and resets what accumulated since the previous call (the
+kept share and the mean reward only when an episode finished in it).
 `batch_metrics` describes the batch the trainer consumed (staleness = consuming version minus the
 version the episode started under; token lag = consuming version minus each token's version).
 """
@@ -62,11 +63,13 @@ class RolloutMonitor:
             dt = max(now - self._since, 1e-9)
             out = {
                 "rollout/episodes": float(self._episodes),
-                "rollout/kept_frac": self._kept / self._episodes if self._episodes else 0.0,
-                "reward/all_mean": self._reward_sum / self._samples if self._samples else 0.0,
                 "perf/gen_tokens_per_s": self._tokens / dt,
                 "perf/gen_samples_per_s": self._samples / dt,
             }
+            if self._episodes:  # no episode finished: no share or mean to report (not a 0)
+                out["rollout/kept_frac"] = self._kept / self._episodes
+            if self._samples:
+                out["reward/all_mean"] = self._reward_sum / self._samples
             if self._agent_samples:  # with export_style concat: episodes that called a tool
                 out["agent/tool_call_frac"] = self._tool_samples / self._agent_samples
             self._reset(now)
