@@ -14,8 +14,8 @@ tests/test_main_job_record.py checks (benchmarks/results/main_job.json).
 The budget is wall-clock training time, so the figures move with the machine: the record keeps
 the fp32 matmul GFLOP/s measured before and after the seeds (all cores; best of 20 tries, so a
 busy moment does not lower it) beside them, and the report reads off the curves what a machine
-2x or 3x slower gets in the same 600 s (this machine's accuracy after 300 s or 200 s of
-training). `python benchmarks/main_job.py --report` prints the report of the saved record.
+2x or 3x slower gets in the same budget (this machine's accuracy after a half or a third of its
+training time). `python benchmarks/main_job.py --report` prints the report of the saved record.
 """
 
 from __future__ import annotations

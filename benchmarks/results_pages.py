@@ -334,6 +334,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "engine-archs": archs_table("bench_engine_archs.json"),
     "engine-archs-moe": archs_table("bench_engine_archs_moe.json"),
     "main-job": seeds_table("main_job.json"),
+    "main-job-lr": staleness_table("main_job_lr.json", runs=True),
     "vlm-job": seeds_table("vlm_job.json"),
     "tool-asynchrony": tools_table,
     "moe-job": moe_table,

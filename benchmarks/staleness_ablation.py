@@ -27,6 +27,13 @@ again, so the grid can be filled over several sessions; `--from-record` prints t
     python benchmarks/staleness_ablation.py --config configs/train_tiny.yaml --etas 0,4,8 \
         --seeds 0,1 --seconds 120 --objectives naive,decoupled,tis,loglinear --minibatches 1 \
         --lrs 1e-4 --record benchmarks/results/staleness_ablation_main.json checkpoint_every=0
+
+One eta and one objective make it a learning-rate sweep of a job's own setting; the main job's
+rate was chosen so (record main_job_lr.json):
+
+    python benchmarks/staleness_ablation.py --config configs/train_tiny.yaml --etas 2 \
+        --seeds 0,1 --seconds 150 --objectives loglinear --minibatches 1 \
+        --lrs 1e-4,5e-5,2.5e-5,1.25e-5 --record benchmarks/results/main_job_lr.json checkpoint_every=0
 """
 
 from __future__ import annotations
