@@ -4,7 +4,8 @@ Starts `asyncrl view RUN --port 0`, drives Debian's headless Chromium (chromium 
 chromium-driver from the OS packages) and saves, under OUT:
 
 - view_curves.png: the curves tab;
-- view_tokens_version.png: the recorded step where weight updates reached the most generations,
+- view_tokens_version.png: the recorded step where weight updates reached the most generations
+  (its group they reached most),
   tokens coloured by the policy version that sampled them;
 - view_tokens_mismatch.png: the same step coloured by |trainer - sampler| logprob;
 - view_events.png: the events tab.
@@ -30,14 +31,19 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 
-def busiest_step(run: Path) -> int:
-    """The recorded step whose samples a weight update reached most often."""
+def busiest_step(run: Path) -> tuple[int, int]:
+    """The recorded step whose samples a weight update reached most often, and its group that
+    a weight update reached most often (the step's first group when none was)."""
     best, most = None, -1
     for path in sorted((run / "samples").glob("step_*.jsonl")):
         rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        n = sum(len(r.get("weight_updates", [])) for r in rows)
+        by_group: dict[int, int] = {}
+        for r in rows:
+            by_group[r["group"]] = by_group.get(r["group"], 0) + len(r.get("weight_updates", []))
+        n = sum(by_group.values())
         if n > most:
-            best, most = int(path.stem.split("_")[1]), n
+            group = max(by_group, key=lambda g: (by_group[g], -g)) if by_group else 0
+            best, most = (int(path.stem.split("_")[1]), group), n
     if best is None:
         raise SystemExit(f"{run} has no samples/: run it with the current asyncrl")
     return best
@@ -67,9 +73,12 @@ def main() -> None:
         wait.until(lambda d: d.find_element(By.ID, "charts").get_attribute("data-drawn"))
         time.sleep(1)  # plotly's transitions
         driver.save_screenshot(str(ns.out / "view_curves.png"))
-        step = busiest_step(ns.run)
+        step, group = busiest_step(ns.run)
         driver.get(f"{url}?tab=samples&step={step}")
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".sample .tok"))
+        Select(driver.find_element(By.ID, "group")).select_by_value(str(group))
+        wait.until(lambda d: {e.get_attribute("data-group") for e in
+                              d.find_elements(By.CSS_SELECTOR, "#groups .group")} == {str(group)})
         driver.save_screenshot(str(ns.out / "view_tokens_version.png"))
         Select(driver.find_element(By.ID, "colour")).select_by_value("mismatch")
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".tok[data-diff]"))
@@ -77,7 +86,7 @@ def main() -> None:
         driver.get(f"{url}?tab=events")
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#events-table tr.event"))
         driver.save_screenshot(str(ns.out / "view_events.png"))
-        print(f"step {step}: screenshots in {ns.out}/view_*.png")
+        print(f"step {step}, group {group}: screenshots in {ns.out}/view_*.png")
         if ns.docs:
             ns.docs.mkdir(parents=True, exist_ok=True)
             for name in ("view_curves.png", "view_tokens_version.png"):

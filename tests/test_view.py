@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -253,3 +254,25 @@ def test_view_refuses_other_hosts_without_a_key_and_names_the_fix(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "asyncrl.cli", "view", str(tmp_path / "nope"),
                           "--port", "0"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 2 and "is not a directory" in cli.stderr
+
+
+def test_the_screenshot_script_shows_the_group_weight_updates_reached_most(tmp_path):
+    """benchmarks/view_screenshots.py opens the step whose recorded samples weight updates
+    reached most often, on the group they reached most (the docs' token screenshot)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from view_screenshots import busiest_step
+
+    (tmp_path / "samples").mkdir()
+
+    def write(step: int, updates_by_group: dict[int, list[int]]) -> None:
+        rows = [{"step": step, "group": g, "weight_updates": u} for g, u in updates_by_group.items()]
+        (tmp_path / "samples" / f"step_{step:06d}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+
+    write(1, {0: [], 1: [], 2: []})
+    write(2, {0: [], 1: [5], 2: [5, 6], 3: [7]})
+    write(3, {0: [4], 1: []})
+    assert busiest_step(tmp_path) == (2, 2)
+    for p in (tmp_path / "samples").glob("step_00000[23].jsonl"):
+        p.unlink()
+    assert busiest_step(tmp_path) == (1, 0)  # no update anywhere: the first step's first group
