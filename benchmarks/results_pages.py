@@ -323,6 +323,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "staleness-main-tuned": staleness_table("staleness_ablation_main.json", runs=False),
     "staleness-main-job": staleness_table("staleness_ablation_main.json", runs=True),
     "chain-async-current": chain_lr_table("bench_async_chain.json", targets=(0.5, 0.7, 0.8)),
+    "chain-async-split": chain_lr_table("bench_async_chain_split.json", targets=(0.5, 0.7, 0.8)),
     "chain-async-lr1e-4": chain_lr_table("bench_async_real_lr1e-4.json"),
     "chain-async-lr5e-5": chain_lr_table("bench_async_real_lr5e-5.json"),
     "chain-async": chain_async_table,
