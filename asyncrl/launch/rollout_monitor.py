@@ -1,8 +1,9 @@
 """Numbers about rollouts for the logs: every finished episode (before filtering) and each batch.
 
 A `RolloutMonitor` is the job's acceptance rule (called on every finished trajectory on the
-executor's thread; `rejection` says, in the user's settings' names, why one was dropped); `take()` returns and resets what accumulated since the previous call (the
-kept share and the mean reward only when an episode finished in it).
+executor's thread; `rejection` says, in the user's settings' names, why one was dropped);
+`take()` returns and resets what accumulated since the previous call (the kept share and the
+mean reward only when an episode finished in it).
 `batch_metrics` describes the batch the trainer consumed (staleness = consuming version minus the
 version the episode started under; token lag = consuming version minus each token's version).
 """
