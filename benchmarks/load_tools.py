@@ -179,9 +179,6 @@ def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service
     lost = [i for i in submitted if i not in seen]
     duplicated = [i for i, n in seen.items() if n > 1]
     unknown = [i for i in seen if i not in set(submitted)]
-    first = [s for s in samples if s["t"] <= 60.0] or samples[:1]
-    last = [s for s in samples if s["t"] >= seconds - 60.0] or samples[-1:]
-    avg = lambda xs, k: sum(x[k] for x in xs) / len(xs)  # noqa: E731
     return {"mode": mode, "in_flight": in_flight, "seconds": seconds, "service": service,
             "submitted": len(submitted), "returned": sum(seen.values()), "lost": len(lost),
             "duplicated": len(duplicated), "unknown": len(unknown),
@@ -193,15 +190,17 @@ def run_load(mode: str, model_dir: Path, in_flight: int, seconds: float, service
                 sum(seen.values()), 1), 3),
             "episodes_with_tool_result": called[0] if mode == "workflow" else None,
             "episodes_per_s": round(len(submitted) / max(time.monotonic() - t0, 1e-9), 2),
-            "rss_mib_first_minute": round(avg(first, "rss_mib"), 1),
-            "rss_mib_last_minute": round(avg(last, "rss_mib"), 1),
-            "fds_first_minute": round(avg(first, "fds"), 1),
-            "fds_last_minute": round(avg(last, "fds"), 1),
-            "service_rss_mib_first_minute": round(avg(first, "service_rss_mib"), 1),
-            "service_rss_mib_last_minute": round(avg(last, "service_rss_mib"), 1),
-            "service_fds_first_minute": round(avg(first, "service_fds"), 1),
-            "service_fds_last_minute": round(avg(last, "service_fds"), 1),
-            "samples": samples}
+            **minute_means(samples, seconds), "samples": samples}
+
+
+def minute_means(samples: list[dict], seconds: float) -> dict[str, float]:
+    """Each resource's mean over the first and the last minute of load. The first minute starts
+    after the t = 0 sample, taken before any episode ran (the engine and the service idle)."""
+    first = [s for s in samples if 0.0 < s["t"] <= 60.0] or samples[:1]
+    last = [s for s in samples if s["t"] >= seconds - 60.0] or samples[-1:]
+    return {f"{key}_{name}_minute": round(sum(s[key] for s in window) / len(window), 1)
+            for key in ("rss_mib", "fds", "service_rss_mib", "service_fds")
+            for name, window in (("first", first), ("last", last))}
 
 
 def main() -> None:

@@ -253,6 +253,21 @@ def test_many_episodes_waiting_on_the_tool_lose_and_duplicate_nothing(tokenizer,
         assert out["episodes_with_tool_result"] == out["returned"]
 
 
+def test_the_load_records_first_minute_starts_after_the_idle_sample():
+    """The t = 0 sample is taken before any episode runs; a flat RSS under load reads flat."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from load_tools import minute_means
+
+    samples = [{"t": t, "rss_mib": 100.0 if t == 0 else 150.0, "fds": 10 if t == 0 else 90,
+                "service_rss_mib": 50.0, "service_fds": 7} for t in range(0, 601, 10)]
+    means = minute_means(samples, 600.0)
+    assert means["rss_mib_first_minute"] == means["rss_mib_last_minute"] == 150.0
+    assert means["fds_first_minute"] == 90.0 and means["service_fds_last_minute"] == 7.0
+
+
 class SubmitPolicy:
     """Scripted (see the module docstring) for the submit task: answers the sum in the prompt,
     one too many on odd first operands, with the `submit` call; then `Done.`."""
