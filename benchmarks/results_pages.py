@@ -339,6 +339,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "vlm-job": seeds_table("vlm_job.json"),
     "tool-asynchrony": tools_table,
     "moe-job": moe_table,
+    "moe-job-lr": staleness_table("moe_job_lr.json", runs=True),
 }
 
 
