@@ -144,7 +144,7 @@ def test_server_commands_carry_what_rl_needs(tmp_path):
     (model / "config.json").write_text(json.dumps({  # 2 layers x 2 kv heads x 32 x (k, v) x fp32
         "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,
         "num_hidden_layers": 2}))
-    sg = server_command("sglang", str(model), api_key="k",
+    sg = server_command("sglang", str(model), api_key="-k",
                         engine=EngineSettings(max_num_seqs=8, kv_cache_bytes=1 << 20))
     assert sg.argv[1:3] == ["-m", "sglang.launch_server"] and sg.port > 0
     flags = " ".join(sg.argv)
@@ -152,6 +152,7 @@ def test_server_commands_carry_what_rl_needs(tmp_path):
     # a CPU machine: SGLang's torch-native path, its KV cache bounded by kv_cache_bytes
     assert sg.env == {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
     assert "--max-total-tokens 1024 --sleep-on-idle" in flags  # 1 MiB / 1 KiB per token
+    assert "--api-key=-k" in sg.argv  # one token: argparse reads a key starting with "-" as a flag
     ours = server_command("asyncrl", "/m", api_key="k")
     assert ours.port == 0 and ours.env == {"ASYNCRL_SERVER_API_KEY": "k"}
 

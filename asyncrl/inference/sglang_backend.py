@@ -263,8 +263,8 @@ class SGLangBackendConfig(BackendKind):
                 "--host", launch.host, "--port", str(port), "--dtype",
                 concrete_dtype(engine.dtype), "--max-running-requests", str(engine.max_num_seqs)]
         env: dict[str, str] = {}
-        if launch.api_key:
-            argv += ["--api-key", launch.api_key]
+        if launch.api_key:  # one token: a key that starts with "-" is not read as a flag
+            argv.append(f"--api-key={launch.api_key}")
         if engine.trust_remote_code:
             argv.append("--trust-remote-code")
         if not cuda_available():

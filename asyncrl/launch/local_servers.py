@@ -94,7 +94,7 @@ class LocalServers:
         self.make_command, self.count = make_command, count
         self.log_dir = Path(log_dir)
         self.timeout = startup_timeout_s
-        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.api_key = api_key or secrets.token_hex(24)
         self.procs: list[subprocess.Popen] = []
         self.commands: list[ServerCommand] = []
         self.urls: list[str] = []

@@ -90,7 +90,7 @@ class RayServers:
         self.make_command, self.count = make_command, count
         self.log_dir = Path(log_dir).resolve()  # the actors' working directory is not ours
         self.timeout, self.cfg = startup_timeout_s, ray_cfg
-        self.api_key = secrets.token_urlsafe(24)
+        self.api_key = secrets.token_hex(24)
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.nodes: list[str] = []
