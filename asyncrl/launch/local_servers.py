@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import secrets
 import signal
@@ -28,10 +29,18 @@ from asyncrl.errors import UserError
 from asyncrl.inference.backend_protocol import READY_PREFIX, ServerCommand
 
 PR_SET_PDEATHSIG = 1
+PORT_TRIES = 3  # starts of one server whose port another process took first
+ADDRESS_IN_USE = "address already in use"  # errno 98's text (Python's, uvicorn's, ZMQ's)
+logger = logging.getLogger(__name__)
 
 
 class ServerStartError(RuntimeError):
-    """A server exited or stayed silent before announcing its address."""
+    """A server exited or stayed silent before announcing its address. `port_taken`: it exited
+    because another process held the port it was given."""
+
+    def __init__(self, message: str, port_taken: bool = False) -> None:
+        super().__init__(message)
+        self.port_taken = port_taken
 
 
 class ServerPythonError(UserError):
@@ -105,22 +114,45 @@ class LocalServers:
         check_server_python(self.make_command(self.api_key))
         try:
             for i in range(self.count):  # all start together: each spends seconds importing
-                cmd = self.make_command(self.api_key)
-                env = dict(os.environ, PYTHONUNBUFFERED="1", **cmd.env)
-                log = open(self.log_dir / f"server_{i}.log", "w")  # noqa: SIM115 (child owns it)
-                self.procs.append(subprocess.Popen(
-                    cmd.argv, stdout=subprocess.PIPE if cmd.port == 0 else log, stderr=log,
-                    text=True, env=env, start_new_session=True,
-                    preexec_fn=functools.partial(_in_child, self.cpus)))
-                self.commands.append(cmd)
-                log.close()
+                self._launch(i)
             deadline = time.monotonic() + self.timeout
-            self.urls = [self._wait_ready(i, p, c, deadline)
-                         for i, (p, c) in enumerate(zip(self.procs, self.commands))]
+            self.urls = [self._ready(i, deadline) for i in range(self.count)]
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _launch(self, i: int) -> None:
+        """Start server `i` (again, after a port clash: a fresh command, so a fresh port)."""
+        cmd = self.make_command(self.api_key)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **cmd.env)
+        log = open(self.log_dir / f"server_{i}.log", "w")  # noqa: SIM115 (child owns it)
+        proc = subprocess.Popen(
+            cmd.argv, stdout=subprocess.PIPE if cmd.port == 0 else log, stderr=log,
+            text=True, env=env, start_new_session=True,
+            preexec_fn=functools.partial(_in_child, self.cpus))
+        log.close()
+        if i < len(self.procs):
+            self.procs[i], self.commands[i] = proc, cmd
+        else:
+            self.procs.append(proc)
+            self.commands.append(cmd)
+
+    def _ready(self, i: int, deadline: float) -> str:
+        """Server `i`'s URL once ready. A port is chosen free, then bound by the server seconds
+        later; should another process take it in between (the server exits with "Address
+        already in use"), the server starts again on another port, PORT_TRIES times at most."""
+        for attempt in range(PORT_TRIES):
+            try:
+                return self._wait_ready(i, self.procs[i], self.commands[i], deadline)
+            except ServerStartError as err:
+                if not err.port_taken or attempt == PORT_TRIES - 1:
+                    raise
+                logger.warning("inference server %d: port %d was taken before it bound it; "
+                               "starting it again on another port", i, self.commands[i].port)
+                _signal_group(self.procs[i], signal.SIGKILL)  # children it may have started
+                self._launch(i)
+        raise AssertionError("unreachable")
 
     def _wait_ready(self, i: int, proc: subprocess.Popen, cmd: ServerCommand,
                     deadline: float) -> str:
@@ -146,9 +178,11 @@ class LocalServers:
         why = (f"exited with status {status}" if status is not None
                else f"was not ready within {self.timeout:.0f}s (raise "
                     "inference.startup_timeout_s if it is only slow)")
-        tail = (self.log_dir / f"server_{i}.log").read_text(errors="replace")[-3000:]
+        log = (self.log_dir / f"server_{i}.log").read_text(errors="replace")
         raise ServerStartError(f"inference server {i} ({' '.join(cmd.argv[:4])} ...) {why}; "
-                               f"log {self.log_dir / f'server_{i}.log'}:\n{tail}")
+                               f"log {self.log_dir / f'server_{i}.log'}:\n{log[-3000:]}",
+                               port_taken=status is not None and cmd.port != 0
+                               and ADDRESS_IN_USE in log.lower())
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every server's process group, SIGKILL what is left after `grace_s`.
