@@ -12,8 +12,10 @@ on the same model directory and prompts, best of the same repeats; `--no-vllm` s
 tests/integration/sglang_venv.py (`--sglang-python`, `--no-sglang`), on its torch-native CPU
 path (SGLANG_USE_CPU_ENGINE=1, OMP_NUM_THREADS=1, as its servers run here): no CPU kernels of
 SGLang's own run. The roofline column is
-the share of what the machine's fp32 matmul GFLOP/s (measured at start, printed in the header)
-would allow at 2 * params FLOPs per generated token; bf16 rows use the same fp32 reference.
+the share of the lower of two bounds, both measured at start and printed in the header: the
+machine's fp32 matmul GFLOP/s at 2 * params FLOPs per generated token, and the weights read once
+per decode step (batch tokens per step) at the copy bandwidth of a buffer their size; bf16 rows
+use the same fp32 references.
 
 Run from the repository root (the first engine build compiles the C++ kernels, a few seconds):
 
@@ -37,7 +39,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from gpu_common import matmul_gflops  # benchmarks/ is on sys.path when run
+from gpu_common import bandwidth_gbs, matmul_gflops  # benchmarks/ is on sys.path when run
 
 from asyncrl.api import GenerationConfig, ModelRequest
 from asyncrl.inference.engine import EngineConfig, LLMEngine
@@ -172,9 +174,13 @@ def main() -> None:
     model = build_model(tmp)
     params = sum(p.numel() for p in model.parameters())
     gflops = matmul_gflops()
-    roofline = gflops * 1e9 / (2 * params)
+    compute_bound = gflops * 1e9 / (2 * params)  # tokens/s
+    weight_bytes = 4 * params
+    gbs = bandwidth_gbs(torch.device("cpu"), weight_bytes / 2**30, reps=20)
+    steps_bound = gbs * 1e9 / weight_bytes  # decode steps/s: each reads every weight once
     print(f"model: {params / 1e6:.2f}M params | threads {args.threads} | fp32 matmul "
-          f"{gflops:.0f} GFLOP/s -> roofline {roofline:,.0f} tok/s | "
+          f"{gflops:.0f} GFLOP/s -> {compute_bound:,.0f} tok/s | copy {gbs:.0f} GB/s -> "
+          f"{steps_bound:,.0f} steps/s | "
           f"{'greedy' if args.greedy else 'sampling T=1'} | C++ kernels "
           f"{'on' if args.cpu_kernels else 'off'} | load {os.getloadavg()[0]:.2f}")
     print(f"{'dtype':>8} {'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'vLLM tok/s':>11} "
@@ -191,6 +197,7 @@ def main() -> None:
         peers = {peer: run_peer(peer, python, tmp, dtype, prompts, args.new_tokens, args.greedy,
                                 args.repeats) for peer, python in pythons.items()}
         for bs in batch_sizes:
+            roofline = min(compute_bound, bs * steps_bound)
             hf, ours = bench_row(args, tmp, model, dtype, prompts[bs])
             v, sg = peers.get("vllm", {}).get(bs), peers.get("sglang", {}).get(bs)
 
@@ -202,12 +209,13 @@ def main() -> None:
                      cell(sg and ours / sg, 11, ".2f"), f"{ours / roofline:9.1%}"]
             print(f"{dtype:>8} {bs:>5} " + " ".join(cells), flush=True)
             rows.append({"dtype": dtype, "batch": bs, "hf": hf, "ours": ours, "vllm": v,
-                         "sglang": sg})
+                         "sglang": sg, "roofline_tok_s": roofline})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(["python", "benchmarks/bench_engine.py", *sys.argv[1:]]),
                        "threads": args.threads, "prompt_len": args.prompt_len,
                        "new_tokens": args.new_tokens, "fp32_gflops": gflops,
+                       "copy_gb_s": gbs, "params": params,
                        "greedy": args.greedy, "rows": rows}, f, indent=2)
 
 

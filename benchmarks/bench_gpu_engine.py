@@ -30,6 +30,7 @@ import os
 
 import torch
 from gpu_common import (
+    bandwidth_gbs,
     count_parameters,
     check_device,
     default_device,
@@ -153,15 +154,6 @@ def bench_batch(args, path: str, model, prompts: torch.Tensor) -> dict[str, dict
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
     return out
-
-
-def bandwidth_gbs(device: torch.device, gib: float = 1.0, reps: int = 10) -> float:
-    """Device-to-device copy GB/s (read + write) of a `gib` buffer."""
-    x = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    seconds = min(timed(lambda: y.copy_(x), device) for _ in range(reps))
-    return 2 * x.numel() / seconds / 1e9
 
 
 def parse_args() -> argparse.Namespace:

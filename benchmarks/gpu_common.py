@@ -63,6 +63,15 @@ def matmul_gflops(device: torch.device = torch.device("cpu"), dtype: torch.dtype
     return 2 * n**3 / best / 1e9
 
 
+def bandwidth_gbs(device: torch.device, gib: float = 1.0, reps: int = 10) -> float:
+    """Device-to-device copy GB/s (read + write) of a `gib` buffer."""
+    x = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    seconds = min(timed(lambda: y.copy_(x), device) for _ in range(reps))
+    return 2 * x.numel() / seconds / 1e9
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
