@@ -233,8 +233,9 @@ def staleness_table(name: str, runs: bool) -> Callable[[], str]:
 
 
 def load_table() -> str:
-    """load_tools.py, both modes: episodes, losses, tool calls, and memory and descriptors from
-    the per-10 s samples after the first minute (the warm-up)."""
+    """load_tools.py, both modes: episodes (the rate: the record's, submitted episodes over the
+    time until the last returned, the drain after the load included), losses, tool calls, and
+    memory and descriptors from the per-10 s samples after the first minute (the warm-up)."""
     rows, commands = [], []
     for mode in ("workflow", "proxy"):
         rec = record(f"load_tools_{mode}.json")
@@ -248,7 +249,7 @@ def load_table() -> str:
 
         rows.append([
             mode, f"{rec['returned']:,} / {rec['submitted']:,} "
-            f"({rec['returned'] / rec['seconds']:.1f}/s)", f"{rec['lost']} / {rec['duplicated']}",
+            f"({rec['episodes_per_s']:.1f}/s)", f"{rec['lost']} / {rec['duplicated']}",
             f"{calls['answer']:,} / {calls['error']:,}"
             + (f" (+{refused} refused calls)" if refused else ""),
             f"{after[0]['rss_mib']:,.1f} -> {after[-1]['rss_mib']:,.1f} MiB", span("fds"),
