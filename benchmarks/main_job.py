@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -58,7 +59,9 @@ def warm_start_key(config: Path) -> str:
 
 
 def config_sha256(config: Path) -> str:
-    return hashlib.sha256(config.read_bytes()).hexdigest()
+    """Of the config's content (its parsed YAML), so that editing a comment keeps the record."""
+    content = json.dumps(yaml.safe_load(config.read_text()), sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()
 
 
 def time_to_gain(run: RunSummary, gain: float) -> float | None:

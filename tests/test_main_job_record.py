@@ -1,15 +1,15 @@
 """The README's job figures must come from the current recipe.
 
 benchmarks/main_job.py records which warm start (its cache key: SFT config, tiny-model builder
-version, SFT recipe version) and which job config produced the figures: the main job's
+version, SFT recipe version) and which job config (its parsed content) produced the figures: the main job's
 (main_job.json) and the vision-language job's (vlm_job.json). Changing any of them without
 rerunning the benchmark fails here, naming the command to run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,8 @@ from asyncrl.launch.sft import output_dir_for
 from asyncrl.launch.train_config import TrainRunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from main_job import config_sha256  # noqa: E402  (benchmarks/main_job.py writes the records)
 RESULTS = ROOT / "benchmarks" / "results"
 RECORDS = ["main_job.json", "vlm_job.json"]
 
@@ -42,7 +44,7 @@ def test_record_was_made_with_the_current_warm_start_recipe(name):
 @pytest.mark.parametrize("name", RECORDS)
 def test_record_was_made_with_the_current_job_config(name):
     rec, rerun = record(name)
-    digest = hashlib.sha256((ROOT / rec["config"]).read_bytes()).hexdigest()
+    digest = config_sha256(ROOT / rec["config"])
     assert rec["config_sha256"] == digest, f"{rec['config']} changed since the record; {rerun}"
 
 
