@@ -27,7 +27,6 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, caplog):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
-    taken.listen()
     # check_server_python's call, then two starts on the taken port, then a free one
     ports = iter([taken.getsockname()[1]] * 3)
 
@@ -48,7 +47,6 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, caplog)
 def test_a_port_taken_every_time_and_any_other_failure_are_one_error(tmp_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
-    taken.listen()
     port = taken.getsockname()[1]
     starts = []
 
