@@ -205,6 +205,8 @@ def test_timeout_body_limit_and_capacity(tokenizer):
                       max_sessions=2)
     with serving(engine, tokenizer, cfg,
                  admission=lambda: manager.capacity(version[0])) as (proxy, _):
+        now = [0.0]  # the sessions' clock: idle time passes only when the test says so
+        proxy.store.clock = lambda: now[0]
         s = start(proxy)
         manager.on_submit()  # the staleness budget at version 0 is now used up
         r = httpx.post(f"{proxy.url}/sessions", headers=ADMIN)
@@ -219,7 +221,7 @@ def test_timeout_body_limit_and_capacity(tokenizer):
             c.chat.completions.create(model="default", max_tokens=2,
                                       messages=[{"role": "user", "content": "x" * 5000}])
         assert err.value.status_code == 413
-        time.sleep(0.7)
+        now[0] += 0.7  # past session_timeout_s
         with pytest.raises(openai.AuthenticationError):
             c.chat.completions.create(model="default", messages=MSGS, max_tokens=2)
         assert proxy.store.expired >= 1

@@ -34,8 +34,9 @@ def test_slow_sync_reward_runs_off_the_loop_and_overlaps():
 
         scores, elapsed, worst_gap = asyncio.run(with_heartbeat(four_rollouts()))
     assert scores == [1.0, 0.0, 1.0, 0.0]
-    assert elapsed < 1.2, f"4 x 0.5 s on 8 threads took {elapsed:.2f}s: not concurrent"
-    assert worst_gap < 0.25, f"the event loop stalled for {worst_gap:.2f}s"
+    assert elapsed < 1.6, f"4 x 0.5 s on 8 threads took {elapsed:.2f}s: not concurrent"
+    # under the 0.5 s stall of the control below, with room for a busy machine's scheduling
+    assert worst_gap < 0.4, f"the event loop stalled for {worst_gap:.2f}s"
 
 
 def test_the_heartbeat_sees_a_reward_marked_inline_stall_the_loop():
@@ -57,7 +58,7 @@ def test_only_the_cheap_built_ins_run_on_the_loop():
 def test_plain_sync_function_objects_also_run_off_the_loop():
     scores, _, worst_gap = asyncio.run(with_heartbeat(
         call_rewards(reward_plugins.slow_reward, ["12", "1"], ROW)))
-    assert scores == [1.0, 0.0] and worst_gap < 0.25
+    assert scores == [1.0, 0.0] and worst_gap < 0.4
 
 
 @pytest.mark.parametrize("spec", ["reward_plugins:raising_reward",

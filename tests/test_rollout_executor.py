@@ -112,8 +112,9 @@ def test_async_keeps_the_engine_generating_while_the_trainer_trains():
     # Generation is the bottleneck (as in real RL): a batch takes longer than an update.
     _, busy_sync, wall_sync, _ = train_loop(0, train_seconds=0.05, gen_mean=0.06)
     _, busy_async, wall_async, stats = train_loop(4, train_seconds=0.05, gen_mean=0.06)
-    assert busy_sync < 0.2, busy_sync  # synchronous: the engine idles during every update
-    assert busy_async > 0.8, busy_async
+    # idle here: sync 0%, eta=4 100%; the bounds leave room for a busy machine's scheduling
+    assert busy_sync < 0.3, busy_sync  # synchronous: the engine idles during every update
+    assert busy_async > 0.6, busy_async
     assert wall_async < wall_sync
     assert max(stats["staleness_histogram"]) >= 1  # it did train on off-policy data
     print(f"engine busy during training: sync {busy_sync:.0%}, eta=4 {busy_async:.0%}; "

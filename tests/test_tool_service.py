@@ -39,7 +39,7 @@ def test_rates_that_leave_no_success_are_refused():
 
 def test_failures_reach_the_caller_as_tool_replies():
     cfg = ToolServiceConfig(median_s=0.01, p99_over_median=5.0, error_rate=0.3, hang_rate=0.2,
-                            hang_s=30.0, client_timeout_s=1.0, seed=0)
+                            hang_s=30.0, client_timeout_s=3.0, seed=0)
 
     async def go(service):
         client = service.client()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from train_helpers import digit_reward, processes_mentioning, sharded_parts
+from train_helpers import digit_reward, processes_mentioning, sharded_parts, wait_gone
 
 from asyncrl import Trainer
 from asyncrl.config import ConfigError
@@ -210,10 +210,7 @@ def test_sigkill_of_the_trainer_takes_the_servers_down(model_dir, tmp_path):
     assert len(processes_mentioning(str(model_dir))) >= 3  # trainer + 2 servers
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 30
-    while processes_mentioning(str(model_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_mentioning(str(model_dir)) == []
+    wait_gone(str(model_dir), seconds=30)
 
 
 def test_bad_train_config_is_one_line(tmp_path):

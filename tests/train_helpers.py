@@ -1,6 +1,7 @@
 """Helpers importable by dotted path from `asyncrl train` subprocesses (PYTHONPATH=tests)."""
 
 import os
+import time
 from pathlib import Path
 
 
@@ -22,6 +23,15 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def wait_gone(*texts: str, seconds: float = 60.0) -> None:
+    """Every process whose command line contains one of `texts` exits within `seconds`
+    (teardown is asynchronous: signals, Ray ending its actors)."""
+    deadline = time.monotonic() + seconds
+    while any(processes_mentioning(t) for t in texts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert {t: processes_mentioning(t) for t in texts} == {t: [] for t in texts}
 
 
 def sharded_parts(ckpt: Path) -> set[str]:
