@@ -102,7 +102,8 @@ def test_blocked_subprocess_is_killed_and_the_pool_goes_on(engine, tokenizer, ca
         return ProxyServer(engine, tokenizer, ProxyConfig(admin_key="a"), context_length=256)
 
     blocked = AgentWorkflow(agents.BlockingAgent(), proxy(), cfg)
-    fine = AgentWorkflow(agents.SyncEnvAgent(), proxy(), cfg)
+    # the blocked agent's 3 s is its kill; the fine one gets room for a busy machine
+    fine = AgentWorkflow(agents.SyncEnvAgent(), proxy(), cfg.model_copy(update={"timeout_s": 60.0}))
     fine.runner._pool = blocked.runner.pool()  # one shared single-worker pool
     with WorkflowExecutor(engine, RolloutConfig(batch_size=1), blocked) as ex:
         assert run_episodes(ex, ROWS[:1]) == []
