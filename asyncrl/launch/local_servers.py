@@ -72,6 +72,12 @@ def check_server_python(cmd: ServerCommand) -> None:
                                 f"servers: {why[0]}; {fix}")
 
 
+def new_api_key() -> str:
+    """The key of the servers a job starts: hex, so it never starts with "-" (a command line
+    would read such a key as a flag)."""
+    return secrets.token_hex(24)
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -103,7 +109,7 @@ class LocalServers:
         self.make_command, self.count = make_command, count
         self.log_dir = Path(log_dir)
         self.timeout = startup_timeout_s
-        self.api_key = api_key or secrets.token_hex(24)
+        self.api_key = api_key or new_api_key()
         self.procs: list[subprocess.Popen] = []
         self.commands: list[ServerCommand] = []
         self.urls: list[str] = []

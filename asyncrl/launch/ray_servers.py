@@ -20,14 +20,13 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.launch.local_servers import LocalServers
+from asyncrl.launch.local_servers import LocalServers, new_api_key
 
 if TYPE_CHECKING:
     from asyncrl.launch.launchers import MakeCommand, RayLauncherConfig
@@ -90,7 +89,7 @@ class RayServers:
         self.make_command, self.count = make_command, count
         self.log_dir = Path(log_dir).resolve()  # the actors' working directory is not ours
         self.timeout, self.cfg = startup_timeout_s, ray_cfg
-        self.api_key = secrets.token_hex(24)
+        self.api_key = new_api_key()
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.nodes: list[str] = []

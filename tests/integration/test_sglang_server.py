@@ -44,7 +44,7 @@ from sglang_venv import ensure_sglang_python  # noqa: E402
 pytestmark = pytest.mark.sglang
 
 TINY = TinyModelConfig(seed=3)  # the embedded default's shape (see test_vllm_server.py)
-KEY = "-sglang-test-key"  # a leading "-" (token_urlsafe keys have one in 1 of 64)
+KEY = "-sglang-test-key"  # a leading "-": the job passes it as one --api-key=KEY argument
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
