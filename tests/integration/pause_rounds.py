@@ -97,50 +97,97 @@ def check_versions(responses: list[ModelResponse],
                              f"diff) {bad[:20]}")
 
 
-def vllm_progress(url: str) -> Callable[[], tuple[float, float]]:
-    """A vLLM server's own count of (requests running, tokens generated), from its metrics."""
-    return lambda: (metric(url, "vllm:num_requests_running"),
-                    metric(url, "vllm:generation_tokens_total"))
+def _queued_bytes(port: int) -> int:
+    """Bytes the kernel holds on 127.0.0.1 TCP connections to or from `port`: unsent in the
+    server's send queues and unread in the clients' receive queues (/proc/net/tcp)."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = (int(a.split(":")[1], 16) for a in fields[1:3])
+        tx, rx = (int(q, 16) for q in fields[4].split(":"))
+        total += (tx if local == port else 0) + (rx if remote == port else 0)
+    return total
+
+
+def _engine_processes(group: int) -> list[int]:
+    """The processes of a server's group but its leader (the API server): the engine that
+    generates (vLLM's EngineCore and workers, SGLang's scheduler and detokenizer)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        pid = int(stat.parent.name)
+        if int(fields[2]) == group and pid != group:
+            pids.append(pid)
+    return pids
 
 
 def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
-                            requests: Callable[[int], list[ModelRequest]], length: int,
+                            requests: Callable[[int], list[ModelRequest]],
                             victim_tokens: int = 1,
-                            progress: Callable[[], tuple[float, float]] | None = None,
                             rounds: int = 3) -> tuple[list[ModelResponse], dict]:
-    """Run `requests(round)` (each `length` tokens, min_tokens = max_tokens) over two servers
+    """Run `requests(round)` (min_tokens = max_tokens) over two servers
     and SIGKILL the second (its process group: a lost machine) once its streams have delivered
-    `victim_tokens` and it still has work.
+    `victim_tokens` while it still owes a call tokens.
 
-    The client parses the streams behind a server on a busy machine: in CI a vLLM server had
-    finished all 1000 tokens of its 8 calls while the client had read 25 of each. So where the
-    server reports its own `progress` (requests running, tokens generated) the kill also waits
-    for it to be less than three quarters through its calls; a round in which it was further
-    when the client had read enough is finished without the kill and run again. (Measured here:
-    in the first calls after a server started, the client read nothing for 9 s while the
-    server generated all 8,000 tokens of its calls; its API server shares 2 cores with two
-    engines.)"""
+    On a busy machine the client parses the streams far behind the server (in CI a vLLM server
+    had finished all 1000 tokens of its 8 calls while the client had read 1), and a killed
+    process's sockets still deliver what it had written. So the server's engine (every process
+    of its group but the API server) runs in stretches of 0.1 s between freezes (SIGSTOP), and
+    while it is frozen the API server streams what it has. Once the client has read
+    `victim_tokens` and still waits on a call, the API server is frozen too; when the kernel
+    holds no bytes between it and the client and the client's count has settled, a call still
+    waiting can only fail: the server is killed. A round in which the server had already sent
+    every call's last token is resumed (SIGCONT), finished and run again."""
     import os
     import signal
+
+    port = int(servers.urls[1].rsplit(":", 1)[1])
+    group = servers.procs[1].pid  # start_new_session: the server leads its process group
+    engine_pids = _engine_processes(group)
+    assert engine_pids, f"server 1 (pid {group}) has no engine process"
+
+    def freeze(sig: signal.Signals) -> None:
+        for pid in engine_pids:
+            os.kill(pid, sig)
 
     def client_tokens() -> int:
         return engine.stats()["servers"][1]["tokens"]
 
+    async def settled() -> None:
+        """Wait until the server's bytes are read and parsed: none queued in the kernel and
+        the client's count unchanged over 25 polls (a frozen engine adds nothing)."""
+        last, calm, deadline = None, 0, time.monotonic() + 120
+        while calm < 25:
+            assert time.monotonic() < deadline, "the client never read the frozen server's bytes"
+            now = (client_tokens(), engine.stats()["servers"][1]["in_flight"])
+            calm = calm + 1 if now == last and _queued_bytes(port) == 0 else 0
+            last = now
+            await asyncio.sleep(0.02)
+
     async def run(attempt: int):
-        before = progress()[1] if progress else 0.0
         seen = client_tokens()
         tasks = [asyncio.create_task(engine.agenerate(r)) for r in requests(attempt)]
-        await _until(lambda: client_tokens() >= seen + victim_tokens
-                     and engine.stats()["servers"][1]["in_flight"] >= 1,
+        await _until(lambda: engine.stats()["servers"][1]["in_flight"] >= 1,
                      f"server 1 never busy: {engine.stats()}", 120)
-        running, generated = progress() if progress else (1.0, before)
-        kill = running >= 1 and generated - before <= running * length * 3 / 4
-        if kill:
-            os.killpg(servers.procs[1].pid, signal.SIGKILL)
-        server = (f"server 1 had generated {generated - before:.0f} tokens for {running:.0f} "
-                  f"running calls of {length}" if progress else "server 1 (no count of its own)")
-        print(f"round {attempt}: {server} when the client had read {client_tokens() - seen}: "
-              f"{'killed' if kill else 'too far, run again'}")
+        freeze(signal.SIGSTOP)
+        while True:  # run the server in short stretches until its streams delivered enough
+            await settled()
+            read, waiting = client_tokens() - seen, engine.stats()["servers"][1]["in_flight"]
+            if waiting == 0 or read >= victim_tokens:
+                break
+            freeze(signal.SIGCONT)
+            time.sleep(0.1)  # blocking: the client's streams must not hold the loop meanwhile
+            freeze(signal.SIGSTOP)
+        os.killpg(group, signal.SIGSTOP)  # the API server too: it writes nothing more
+        await settled()
+        read, waiting = client_tokens() - seen, engine.stats()["servers"][1]["in_flight"]
+        kill = waiting >= 1
+        os.killpg(group, signal.SIGKILL if kill else signal.SIGCONT)
+        print(f"round {attempt}: server 1 frozen when the client had read {read} tokens from "
+              f"it, {waiting} calls still waiting: {'killed' if kill else 'all sent, run again'}")
         return kill, await asyncio.gather(*tasks), engine.stats()
 
     try:
@@ -150,8 +197,8 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
                 return out, stats
     finally:
         engine.close()
-    raise AssertionError(f"server 1 was three quarters through its calls when the client had "
-                         f"read its tokens, {rounds} rounds in a row")
+    raise AssertionError(f"server 1 had sent every call's last token by the time its streams "
+                         f"delivered {victim_tokens}, {rounds} rounds in a row")
 
 
 REPO = Path(__file__).resolve().parents[2]

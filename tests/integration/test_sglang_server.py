@@ -137,7 +137,7 @@ def test_killed_server_mid_generation_loses_no_request(servers):
     g = GenerationConfig(max_new_tokens=600, min_new_tokens=600, temperature=1.0)
     responses, stats = kill_one_mid_generation(
         engine, servers, lambda k: [ModelRequest(PROMPT, g, rid=f"k-{k}-{i}") for i in range(8)],
-        600, victim_tokens=100)
+        victim_tokens=100)
     assert all(len(r.output_tokens) == 600 for r in responses), [len(r.output_tokens)
                                                                  for r in responses]
     assert stats.get("failed_calls", 0) >= 1, stats

@@ -46,7 +46,6 @@ from pause_rounds import (  # noqa: E402
     metric_label,
     perturbed,
     train_through_local_servers,
-    vllm_progress,
 )
 from vllm_venv import ensure_vllm_python  # noqa: E402
 
@@ -277,8 +276,7 @@ def test_killed_server_mid_generation_loses_no_request(servers):
     g = GenerationConfig(max_new_tokens=1000, min_new_tokens=1000, temperature=1.0)
     # 8 per server: seconds of work for each
     responses, stats = kill_one_mid_generation(
-        engine, servers, lambda k: [ModelRequest(PROMPT, g, rid=f"k-{k}-{i}") for i in range(16)],
-        1000, progress=vllm_progress(servers.urls[1]))
+        engine, servers, lambda k: [ModelRequest(PROMPT, g, rid=f"k-{k}-{i}") for i in range(16)])
     assert all(len(r.output_tokens) == 1000 for r in responses), [len(r.output_tokens)
                                                                   for r in responses]
     assert stats.get("failed_calls", 0) >= 1, stats  # some were really on the killed server
