@@ -97,16 +97,20 @@ def check_versions(responses: list[ModelResponse],
                              f"diff) {bad[:20]}")
 
 
-def _queued_bytes(port: int) -> int:
-    """Bytes the kernel holds on 127.0.0.1 TCP connections to or from `port`: unsent in the
-    server's send queues and unread in the clients' receive queues (/proc/net/tcp)."""
-    total = 0
+def _connections(port: int) -> dict[int, int]:
+    """127.0.0.1 TCP connections to the server on `port`, by the client's port: the bytes the
+    kernel holds on each, unsent in the server's send queue and unread in the client's receive
+    queue (/proc/net/tcp)."""
+    held: dict[int, int] = {}
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         local, remote = (int(a.split(":")[1], 16) for a in fields[1:3])
         tx, rx = (int(q, 16) for q in fields[4].split(":"))
-        total += (tx if local == port else 0) + (rx if remote == port else 0)
-    return total
+        if remote == port:
+            held[local] = held.get(local, 0) + rx
+        elif local == port and remote:
+            held[remote] = held.get(remote, 0) + tx
+    return held
 
 
 def _engine_processes(group: int) -> list[int]:
@@ -138,7 +142,7 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
     of its group but the API server) runs in stretches of 0.1 s between freezes (SIGSTOP), and
     while it is frozen the API server streams what it has. Once the client has read
     `victim_tokens` and still waits on a call, the API server is frozen too; when the kernel
-    holds no bytes between it and the client and the client's count has settled, a call still
+    holds no more bytes for the client to read and the client's count has settled, a call still
     waiting can only fail: the server is killed. A round in which the server had already sent
     every call's last token is resumed (SIGCONT), finished and run again."""
     import os
@@ -156,14 +160,23 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
     def client_tokens() -> int:
         return engine.stats()["servers"][1]["tokens"]
 
+    # sockets of earlier engines in this process that nothing reads any more
+    older = set(_connections(port))
+
+    def queued() -> int:
+        return sum(n for client, n in _connections(port).items() if client not in older)
+
     async def settled() -> None:
-        """Wait until the server's bytes are read and parsed: none queued in the kernel and
-        the client's count unchanged over 25 polls (a frozen engine adds nothing)."""
+        """Wait until the server's bytes are read and parsed: the client's count, its calls in
+        flight and the bytes queued in the kernel unchanged over 25 polls, the event loop (and
+        so the client's streams) running between them (a frozen engine adds nothing)."""
         last, calm, deadline = None, 0, time.monotonic() + 120
         while calm < 25:
-            assert time.monotonic() < deadline, "the client never read the frozen server's bytes"
-            now = (client_tokens(), engine.stats()["servers"][1]["in_flight"])
-            calm = calm + 1 if now == last and _queued_bytes(port) == 0 else 0
+            assert time.monotonic() < deadline, (
+                f"the client never read the server's bytes: {queued()} queued, "
+                f"{engine.stats()['servers'][1]}")
+            now = (client_tokens(), engine.stats()["servers"][1]["in_flight"], queued())
+            calm = calm + 1 if now == last else 0
             last = now
             await asyncio.sleep(0.02)
 
