@@ -132,9 +132,9 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
                             requests: Callable[[int], list[ModelRequest]],
                             victim_tokens: int = 1,
                             rounds: int = 3) -> tuple[list[ModelResponse], dict]:
-    """Run `requests(round)` (min_tokens = max_tokens) over two servers
-    and SIGKILL the second (its process group: a lost machine) once its streams have delivered
-    `victim_tokens` while it still owes a call tokens.
+    """Run `requests(round)` (min_tokens = max_tokens) over two servers and SIGKILL the second
+    (its process group: a lost machine) once its streams have delivered `victim_tokens` while it
+    still owes a call tokens.
 
     On a busy machine the client parses the streams far behind the server (in CI a vLLM server
     had finished all 1000 tokens of its 8 calls while the client had read 1), and a killed
@@ -157,8 +157,10 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
         for pid in engine_pids:
             os.kill(pid, sig)
 
-    def client_tokens() -> int:
-        return engine.stats()["servers"][1]["tokens"]
+    def victim() -> tuple[int, int]:
+        """Server 1 as the client sees it: tokens read from it, calls in flight there."""
+        server = engine.stats()["servers"][1]
+        return server["tokens"], server["in_flight"]
 
     # sockets of earlier engines in this process that nothing reads any more
     older = set(_connections(port))
@@ -173,22 +175,22 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
         last, calm, deadline = None, 0, time.monotonic() + 120
         while calm < 25:
             assert time.monotonic() < deadline, (
-                f"the client never read the server's bytes: {queued()} queued, "
+                f"server 1's streams never settled in 120 s: {queued()} bytes queued, "
                 f"{engine.stats()['servers'][1]}")
-            now = (client_tokens(), engine.stats()["servers"][1]["in_flight"], queued())
+            now = (*victim(), queued())
             calm = calm + 1 if now == last else 0
             last = now
             await asyncio.sleep(0.02)
 
     async def run(attempt: int):
-        seen = client_tokens()
+        seen = victim()[0]
         tasks = [asyncio.create_task(engine.agenerate(r)) for r in requests(attempt)]
-        await _until(lambda: engine.stats()["servers"][1]["in_flight"] >= 1,
-                     f"server 1 never busy: {engine.stats()}", 120)
+        await _until(lambda: victim()[1] >= 1, f"server 1 never busy: {engine.stats()}", 120)
         freeze(signal.SIGSTOP)
         while True:  # run the server in short stretches until its streams delivered enough
             await settled()
-            read, waiting = client_tokens() - seen, engine.stats()["servers"][1]["in_flight"]
+            tokens, waiting = victim()
+            read = tokens - seen
             if waiting == 0 or read >= victim_tokens:
                 break
             freeze(signal.SIGCONT)
@@ -196,7 +198,8 @@ def kill_one_mid_generation(engine: RemoteInferenceEngine, servers,
             freeze(signal.SIGSTOP)
         os.killpg(group, signal.SIGSTOP)  # the API server too: it writes nothing more
         await settled()
-        read, waiting = client_tokens() - seen, engine.stats()["servers"][1]["in_flight"]
+        tokens, waiting = victim()
+        read = tokens - seen
         kill = waiting >= 1
         os.killpg(group, signal.SIGKILL if kill else signal.SIGCONT)
         print(f"round {attempt}: server 1 frozen when the client had read {read} tokens from "
