@@ -11,10 +11,11 @@ ROOT = Path(__file__).parent.parent
 PKG = ROOT / "asyncrl"
 
 # what each top-level part of the package may import (besides itself); launch and cli: anything
-BASE = {"api", "errors", "config", "imports", "plugins"}
+BASE = {"api", "errors", "config", "imports", "plugins", "listening"}
 ALLOWED = {
     "api": set(),
     "errors": set(),
+    "listening": set(),
     "config": {"errors"},
     "imports": {"errors"},
     "plugins": {"config", "errors", "imports"},

@@ -7,7 +7,6 @@ With port 0 the OS picks a free port; the first stdout line then tells it
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch
@@ -17,6 +16,7 @@ from asyncrl.inference.async_engine import AsyncLLMEngine
 from asyncrl.inference.engine import EngineConfig
 from asyncrl.inference.server import ServerConfig, create_app
 from asyncrl.inference.backend_protocol import READY_PREFIX
+from asyncrl.listening import listening_socket
 from asyncrl.models.loading import check_model_dir, load_tokenizer, resolve_model_path
 
 
@@ -41,13 +41,10 @@ def serve(cfg: ServerConfig) -> None:
     app, engine = build_server_app(cfg)
     print(f"asyncrl serve: {torch.get_num_threads()} torch threads on CPUs "
           f"{sorted(os.sched_getaffinity(0))}", file=sys.stderr, flush=True)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
+    # Listening before announcing READY: a client connecting while uvicorn still starts waits
+    # in the backlog instead of being refused (seen under load as ConnectError on a fresh server).
+    sock = listening_socket(cfg.host, cfg.port, 2048)
     host, port = sock.getsockname()[:2]
-    # Listen before announcing READY: a client connecting while uvicorn still starts waits in
-    # the backlog instead of being refused (seen under load as ConnectError on a fresh server).
-    sock.listen(2048)
     # keep-alive above httpx's 5 s pool expiry: clients never reuse a connection being closed
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
                                            timeout_keep_alive=120))

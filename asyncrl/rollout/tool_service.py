@@ -26,7 +26,6 @@ import enum
 import json
 import math
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Any
 import pydantic
 
 from asyncrl.config import Config
+from asyncrl.listening import listening_socket
 
 READY = "asyncrl tool service: listening on "
 # a request with this header set to "1" is answered at once and never fails on purpose: the
@@ -256,10 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     cfg = ToolServiceConfig.from_dict(json.loads(args.config), source="--config")
     app = create_tool_app(cfg, resolve_tools(cfg.tools))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(4096)  # before the ready line: early clients wait in the backlog
+    sock = listening_socket(args.host, args.port, 4096)  # early clients wait in the backlog
     host, port = sock.getsockname()[:2]
     print(f"{READY}http://{host}:{port}", flush=True)
     # a stop does not wait out held calls (an injected hang is a failure, not work)

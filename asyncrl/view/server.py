@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.resources
 import ipaddress
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from asyncrl.errors import UserError
 from asyncrl.inference.http_auth import BearerKey
+from asyncrl.listening import listening_socket
 from asyncrl.view.run_dir import Lines, RunDir, RunProblem, find_runs
 
 STATIC = Path(__file__).parent / "static"
@@ -145,10 +145,7 @@ def view(root: str | Path, host: str = "127.0.0.1", port: int = 0,
         app = create_view_app(root, api_key)
     except RunProblem as err:
         raise UserError(str(err)) from None
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    sock = listening_socket(host, port, 128)
     bound_host, bound_port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"asyncrl view: http://{bound_host}:{bound_port}/", flush=True)
